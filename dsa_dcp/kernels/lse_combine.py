@@ -1,0 +1,131 @@
+"""LSE combine: merge N partial attention results by their log-sum-exp.
+
+Contract (both implementations):
+
+``lse_combine(out[N, B, H, D], lse[N, B, H] float32) -> (out[B, H, D] (dtype of out), lse[B, H] float32)``
+
+``lse = logsumexp_r lse_r`` and ``out = sum_r exp(lse_r - lse) * out_r``, accumulated in fp32
+(natural-log LSE). A shard whose LSE is ``-inf``, ``+inf`` or NaN is empty: weight 0, its ``out``
+is never read (it may hold NaN). When every shard of a ``(b, h)`` is empty (or ``N == 0``) the
+result is ``out = 0``, ``lse = -inf``. Empty shards never make a NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import TRITON_FLOAT_DTYPES, check_float, check_launchable, check_same_device, next_pow2
+
+_OP = "lse_combine"
+
+
+def _check(out: torch.Tensor, lse: torch.Tensor) -> None:
+    check_float(_OP, "out", out, 4)
+    check_float(_OP, "lse", lse, 3, dtypes=(torch.float32,))
+    if tuple(lse.shape) != tuple(out.shape[:3]):
+        raise ValueError(
+            f"{_OP}: lse must have shape out.shape[:3] = {tuple(out.shape[:3])}, got {tuple(lse.shape)}"
+        )
+    check_same_device(_OP, out=out, lse=lse)
+
+
+def _empty_result(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _, B, H, D = out.shape
+    return (
+        torch.zeros((B, H, D), dtype=out.dtype, device=out.device),
+        torch.full((B, H), float("-inf"), dtype=torch.float32, device=out.device),
+    )
+
+
+def lse_combine_reference(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch LSE combine (see module docstring). No host sync."""
+    _check(out, lse)
+    if out.shape[0] == 0:
+        return _empty_result(out)
+    lse32 = lse.float()
+    valid = torch.isfinite(lse32)
+    neg_inf = torch.full_like(lse32, float("-inf"))
+    masked = torch.where(valid, lse32, neg_inf)
+    m = masked.amax(dim=0)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(masked - m_safe)  # 0 for empty shards
+    total = w.sum(dim=0)
+    has = total > 0
+    shards = torch.where(valid[..., None], out.float(), torch.zeros((), dtype=torch.float32, device=out.device))
+    acc = (w[..., None] * shards).sum(dim=0)
+    res = acc / torch.where(has, total, torch.ones_like(total))[..., None]
+    res_lse = torch.where(has, m_safe + torch.log(torch.where(has, total, torch.ones_like(total))), neg_inf[0])
+    return res.to(out.dtype), res_lse
+
+
+@triton.jit
+def _lse_combine_kernel(
+    out_ptr,
+    lse_ptr,
+    res_ptr,
+    res_lse_ptr,
+    N,
+    BH,
+    D,
+    BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_d = offs_d < D
+    # one pass over the shards with a running max, as in online softmax
+    m = -float("inf")
+    total = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for r in range(N):
+        shard = r * BH + bh
+        lse_r = tl.load(lse_ptr + shard).to(tl.float32)
+        valid = (lse_r > -float("inf")) & (lse_r < float("inf"))  # False for NaN too
+        lse_r = tl.where(valid, lse_r, -float("inf"))
+        m_new = tl.maximum(m, lse_r)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)  # 0 while nothing valid was seen
+        w = tl.exp(lse_r - m_safe)  # 0 for an empty shard
+        # an empty shard's out is not even read, so NaN in it cannot leak
+        # (tl.where, not `in_d & valid`: the interpreter cannot `&` a block with a scalar)
+        o = tl.load(out_ptr + shard * D + offs_d, mask=tl.where(valid, in_d, False), other=0.0).to(tl.float32)
+        acc = acc * alpha + w * o
+        total = total * alpha + w
+        m = m_new
+    has = total > 0.0
+    denom = tl.where(has, total, 1.0)
+    tl.store(res_ptr + bh * D + offs_d, (acc / denom).to(res_ptr.dtype.element_ty), mask=in_d)
+    if pid_d == 0:
+        tl.store(res_lse_ptr + bh, tl.where(has, m + tl.log(denom), -float("inf")))
+
+
+def lse_combine_triton(
+    out: torch.Tensor, lse: torch.Tensor, *, block_d: int | None = None, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton LSE combine; grid (B*H, ceil(D / BLOCK_D)), a loop over N (see module docstring).
+
+    ``block_d`` (a power of two) overrides the D tile (default: up to 1024, so D = 576 is one tile).
+    ``out_dtype`` overrides the result dtype (sparse MLA's split-K merges fp32 partials into the
+    query dtype this way).
+    """
+    _check(out, lse)
+    if out.dtype not in TRITON_FLOAT_DTYPES:
+        raise ValueError(f"{_OP}: out dtype must be one of {list(TRITON_FLOAT_DTYPES)}, got {out.dtype}")
+    N, B, H, D = out.shape
+    res_dtype = out_dtype or out.dtype
+    if res_dtype not in TRITON_FLOAT_DTYPES:
+        raise ValueError(f"{_OP}: out_dtype must be one of {list(TRITON_FLOAT_DTYPES)}, got {res_dtype}")
+    if N == 0 or B * H == 0:
+        res, res_lse = _empty_result(out)
+        return res.to(res_dtype), res_lse
+    check_launchable(_lse_combine_kernel, out, lse)
+    block = block_d or min(next_pow2(D), 1024)
+    if block & (block - 1):
+        raise ValueError(f"{_OP}: block_d must be a power of two, got {block}")
+    res = torch.empty((B, H, D), dtype=res_dtype, device=out.device)
+    res_lse = torch.empty((B, H), dtype=torch.float32, device=out.device)
+    grid = (B * H, max(1, triton.cdiv(D, block)))
+    _lse_combine_kernel[grid](out.contiguous(), lse.contiguous(), res, res_lse, N, B * H, D, BLOCK_D=block)
+    return res, res_lse

@@ -1,0 +1,303 @@
+"""Sparse MLA decode attention over the KV rows named by a top-k list.
+
+Contract (both implementations):
+
+``sparse_mla(q_nope[B, H, Dc], q_pe[B, H, Dr], kv[S, Dc + Dr], topk[B, K] int32|int64, sm_scale)
+-> (out[B, H, Dc] (dtype of q_nope), lse[B, H] float32)``
+
+For each row ``b`` and head ``h``: ``score_j = sm_scale * (q_nope[b, h] . kv[j, :Dc] + q_pe[b, h] .
+kv[j, Dc:])`` over the entries ``j`` of ``topk[b]`` that are ``>= 0`` (negative entries are
+skipped; each entry counts as one key, duplicates are not expected), ``out = softmax(score) @
+kv[j, :Dc]`` and ``lse = log(sum_j exp(score_j))`` (natural log). Accumulated in fp32 (the Triton
+kernel's tensor-core dots take bf16/fp16 operands for such inputs, P included). A row with no
+valid entry gives ``out = 0`` and ``lse = -inf``, never NaN. An entry ``>= S`` is a contract
+violation: the reference raises, the Triton kernel skips it rather than read out of bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    TRITON_FLOAT_DTYPES,
+    check_float,
+    check_index,
+    check_launchable,
+    check_same_device,
+    is_interpreted,
+    last_dim_contiguous,
+    next_pow2,
+)
+from .lse_combine import lse_combine_triton
+
+_OP = "sparse_mla"
+
+
+def _check(q_nope, q_pe, kv, topk, sm_scale) -> None:
+    check_float(_OP, "q_nope", q_nope, 3)
+    check_float(_OP, "q_pe", q_pe, 3)
+    check_float(_OP, "kv", kv, 2)
+    check_index(_OP, "topk", topk, 2)
+    B, H, Dc = q_nope.shape
+    if tuple(q_pe.shape[:2]) != (B, H):
+        raise ValueError(f"{_OP}: q_pe must have shape [B={B}, H={H}, Dr], got {tuple(q_pe.shape)}")
+    Dr = q_pe.shape[2]
+    if kv.shape[1] != Dc + Dr:
+        raise ValueError(f"{_OP}: kv must have Dc + Dr = {Dc} + {Dr} = {Dc + Dr} columns, got {tuple(kv.shape)}")
+    if topk.shape[0] != B:
+        raise ValueError(f"{_OP}: topk must have B={B} rows, got {tuple(topk.shape)}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise ValueError(f"{_OP}: sm_scale must be a Python float, got {sm_scale!r}")
+    check_same_device(_OP, q_nope=q_nope, q_pe=q_pe, kv=kv, topk=topk)
+
+
+def sparse_mla_reference(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    topk: torch.Tensor,
+    sm_scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch sparse MLA (see module docstring): gather, masked dense softmax. No host sync.
+
+    ``compute_dtype`` (fp32 by default, fp64 for tests) is the arithmetic precision; the LSE is
+    returned as float32 either way.
+    """
+    _check(q_nope, q_pe, kv, topk, sm_scale)
+    Dc = q_nope.shape[2]
+    idx = topk.to(torch.int64)
+    valid = idx >= 0  # [B, K]
+    rows = kv[idx.clamp(min=0)].to(compute_dtype)  # [B, K, Dc + Dr]
+    qn = q_nope.to(compute_dtype)
+    qp = q_pe.to(compute_dtype)
+    scores = torch.einsum("bhd,bkd->bhk", qn, rows[..., :Dc]) + torch.einsum("bhd,bkd->bhk", qp, rows[..., Dc:])
+    scores = scores * sm_scale
+    neg_inf = torch.full((), float("-inf"), dtype=compute_dtype, device=scores.device)
+    scores = torch.where(valid[:, None, :], scores, neg_inf)
+    if scores.shape[-1] == 0:
+        m = torch.full(scores.shape[:2], float("-inf"), dtype=compute_dtype, device=scores.device)
+    else:
+        m = scores.amax(dim=-1)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m_safe[..., None])  # 0 at skipped entries
+    total = p.sum(dim=-1)
+    has = total > 0
+    denom = torch.where(has, total, torch.ones_like(total))
+    out = torch.einsum("bhk,bkd->bhd", p, rows[..., :Dc]) / denom[..., None]
+    lse = torch.where(has, m_safe + torch.log(denom), torch.full_like(total, float("-inf")))
+    return out.to(q_nope.dtype), lse.to(torch.float32)
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_nope_ptr,
+    q_pe_ptr,
+    kv_ptr,
+    topk_ptr,
+    out_ptr,
+    lse_ptr,
+    B,
+    H,
+    K,
+    S,
+    SPLIT_LEN,
+    sm_scale,
+    stride_qn_b,
+    stride_qn_h,
+    stride_qp_b,
+    stride_qp_h,
+    stride_kv,
+    stride_topk,
+    DC: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)  # this program's K range: [k_start, k_end)
+    k_start = split * SPLIT_LEN
+    k_end = tl.minimum(k_start + SPLIT_LEN, K)
+    in_h = offs_h < H
+    offs_dc = tl.arange(0, BLOCK_DC)
+    in_dc = offs_dc < DC
+    offs_dr = tl.arange(0, BLOCK_DR)
+    in_dr = offs_dr < DR
+
+    # fp32 right after loading: the interpreter's bf16 arithmetic is wrong; on GPU the dot
+    # operands go back to DOT_DTYPE (exact for bf16/fp16 inputs)
+    qn = tl.load(
+        q_nope_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_dc[None, :],
+        mask=in_h[:, None] & in_dc[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    qp = tl.load(
+        q_pe_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_dr[None, :],
+        mask=in_h[:, None] & in_dr[None, :],
+        other=0.0,
+    ).to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(topk_ptr + b * stride_topk + offs_k, mask=offs_k < k_end, other=-1).to(tl.int64)
+        valid = (idx >= 0) & (idx < S)
+        kv_row = kv_ptr + tl.where(valid, idx, 0) * stride_kv
+        kc = tl.load(kv_row[:, None] + offs_dc[None, :], mask=valid[:, None] & in_dc[None, :], other=0.0).to(tl.float32)
+        kr = tl.load(kv_row[:, None] + DC + offs_dr[None, :], mask=valid[:, None] & in_dr[None, :], other=0.0).to(
+            tl.float32
+        )
+        if USE_DOT and DOT_IEEE:  # fp32 inputs: full fp32 products, not tf32
+            s = tl.dot(qn, tl.trans(kc), input_precision="ieee")
+            s += tl.dot(qp, tl.trans(kr), input_precision="ieee")
+        elif USE_DOT:
+            s = tl.dot(qn.to(DOT_DTYPE), tl.trans(kc.to(DOT_DTYPE)))
+            s += tl.dot(qp.to(DOT_DTYPE), tl.trans(kr.to(DOT_DTYPE)))
+        else:
+            s = tl.sum(qn[:, None, :] * kc[None, :, :], axis=2) + tl.sum(qp[:, None, :] * kr[None, :, :], axis=2)
+        s = tl.where(valid[None, :], s * sm_scale, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no (-inf) - (-inf) before a valid key
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT and DOT_IEEE:
+            pv = tl.dot(p, kc, input_precision="ieee")
+        elif USE_DOT:
+            pv = tl.dot(p.to(DOT_DTYPE), kc.to(DOT_DTYPE))
+        else:
+            pv = tl.sum(p[:, :, None] * kc[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has = l_i > 0.0
+    denom = tl.where(has, l_i, 1.0)
+    out = acc / denom[:, None]  # acc is 0 for a row without keys
+    # out is [splits, B, H, DC] and lse [splits, B, H]: the layout lse_combine merges
+    out_row = (split.to(tl.int64) * B + b) * H + offs_h
+    tl.store(
+        out_ptr + out_row[:, None] * DC + offs_dc[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=in_h[:, None] & in_dc[None, :],
+    )
+    tl.store(lse_ptr + out_row, tl.where(has, m_i + tl.log(denom), -float("inf")), mask=in_h)
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _default_tiles(B: int, H: int, device: torch.device) -> tuple[int, int, int]:
+    """(block_h, block_k, num_warps), from a sweep on one H200 at Dc=512, Dr=64, K=2048, bf16."""
+    if device.type != "cuda":
+        return 16, 64, 4
+    if B * H <= 128:
+        return 16, 64, 8
+    if H >= 128 or B * H >= 8192:
+        return 64, 32, 8
+    return 32, 64, 8
+
+
+def _default_splits(programs: int, K: int, block_k: int, device: torch.device) -> int:
+    """Split K when the grid would fill under half the GPU; each split keeps two K tiles or more.
+
+    (At half a wave or more, the fp32 partials and the extra combine cost more than they gain.)
+    """
+    sms = _sm_count(device) if device.type == "cuda" else 0
+    if 2 * programs > sms:
+        return 1
+    return max(1, min(triton.cdiv(sms, programs), K // (2 * block_k)))
+
+
+def sparse_mla_triton(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    topk: torch.Tensor,
+    sm_scale: float,
+    *,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton sparse MLA decode (see module docstring); grid (B, ceil(H / BLOCK_H), splits).
+
+    Online softmax over K in tiles of ``block_k``: gather the tile's KV rows, score the head
+    block, keep a running max and sum and an fp32 ``acc[BLOCK_H, Dc]``. Tensor-core ``tl.dot`` is
+    used when ``block_h`` and ``block_k`` are both >= 16 (always, by default), else an elementwise
+    multiply-and-sum. With ``num_splits > 1`` (flash-decoding) each program takes one contiguous
+    range of K, writes an fp32 partial ``(out, lse)``, and :func:`lse_combine_triton` merges the
+    splits; by default K is split only when ``B * ceil(H / block_h)`` programs would not fill the
+    GPU. Any H, K, Dc, Dr (Dc and Dr are padded to powers of two). ``q_nope``/``q_pe``/``kv`` may
+    be views with a unit last stride (the KV cache is never copied). No host sync.
+    """
+    _check(q_nope, q_pe, kv, topk, sm_scale)
+    for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv", kv)):
+        if t.dtype not in TRITON_FLOAT_DTYPES:
+            raise ValueError(f"{_OP}: {name} dtype must be one of {list(TRITON_FLOAT_DTYPES)}, got {t.dtype}")
+    B, H, Dc = q_nope.shape
+    Dr = q_pe.shape[2]
+    K = topk.shape[1]
+    device = q_nope.device
+    if B == 0 or H == 0 or K == 0:
+        out = torch.zeros((B, H, Dc), dtype=q_nope.dtype, device=device)
+        return out, torch.full((B, H), float("-inf"), dtype=torch.float32, device=device)
+    check_launchable(_sparse_mla_kernel, q_nope, q_pe, kv, topk)
+    tile_h, tile_k, warps = _default_tiles(B, H, device)
+    bh, bk, warps = block_h or tile_h, block_k or tile_k, num_warps or warps
+    for name, v in (("block_h", bh), ("block_k", bk)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{_OP}: {name} must be a power of two, got {v}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"{_OP}: num_splits must be >= 1, got {num_splits}")
+    head_blocks = triton.cdiv(H, bh)
+    splits = num_splits or _default_splits(B * head_blocks, K, bk, device)
+    split_len = triton.cdiv(triton.cdiv(K, splits), bk) * bk  # whole K tiles per split
+    splits = triton.cdiv(K, split_len)
+    use_dot = bh >= 16 and bk >= 16
+    # tl.dot wants every dim >= 16
+    block_dc = max(next_pow2(Dc), 16 if use_dot else 1)
+    block_dr = max(next_pow2(Dr), 16 if use_dot else 1)
+    same = q_nope.dtype == q_pe.dtype == kv.dtype
+    if is_interpreted(_sparse_mla_kernel) or not same or q_nope.dtype == torch.float32:
+        dot_dtype = tl.float32
+    else:
+        dot_dtype = _TL_DTYPES[q_nope.dtype]
+    q_nope = last_dim_contiguous(q_nope)
+    q_pe = last_dim_contiguous(q_pe)
+    kv = last_dim_contiguous(kv)
+    topk = topk.contiguous()
+    # one split writes the result itself; several write fp32 partials for lse_combine
+    # (no leading split dim for one split: the results are then fresh tensors, not views)
+    lead = () if splits == 1 else (splits,)
+    out = torch.empty(lead + (B, H, Dc), dtype=q_nope.dtype if splits == 1 else torch.float32, device=device)
+    lse = torch.empty(lead + (B, H), dtype=torch.float32, device=device)
+    _sparse_mla_kernel[(B, head_blocks, splits)](
+        q_nope, q_pe, kv, topk, out, lse,
+        B, H, K, kv.shape[0], split_len, float(sm_scale),
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), topk.stride(0),
+        DC=Dc, DR=Dr, BLOCK_H=bh, BLOCK_K=bk, BLOCK_DC=block_dc, BLOCK_DR=block_dr,
+        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32),
+        num_warps=warps,
+    )  # fmt: skip
+    if splits == 1:
+        return out, lse
+    return lse_combine_triton(out, lse, out_dtype=q_nope.dtype)

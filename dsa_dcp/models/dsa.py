@@ -1,0 +1,331 @@
+"""Reference DSA model: MLA in absorbed decode form + a lightning indexer, on a paged KV pool.
+
+Written once, for one device, in plain PyTorch; the two cache-touching steps go through the op
+vocabulary (``torch.ops.dsa_dcp.kv_store`` and ``torch.ops.dsa_dcp.sparse_mla``) so each is one
+node in a dynamo graph. The whole forward traces with ``fullgraph=True``: no data-dependent
+Python control flow, no ``.item()``, no boolean-mask indexing.
+
+Forward contract (one step of a batch of rows; a row is one token of one request)::
+
+    logits[T, vocab] fp32 = model(input_ids[T] i64, positions[T] i64, req_ids[T] i64,
+                                  slots[T] i64, page_table[R, max_pages] i32)
+
+Padding rows have ``slots = -1`` and ``positions = -1``: they write nothing, their top-k is all
+``-1`` and their attention output is 0. ``page_table[r, j]`` is the page holding positions
+``[j*P, (j+1)*P)`` of request ``r`` (``-1`` = not allocated); slot of position ``p`` is
+``page_table[r, p // P] * P + p % P``.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import dsa_dcp.ops  # noqa: F401  (registers torch.ops.dsa_dcp.*)
+from dsa_dcp.kv_cache import allocate_kv_cache, kv_layout
+
+from .config import DSAConfig
+
+# The model calls the overloads (not the packets) so dynamo records the exact targets the passes
+# look for (``dsa_dcp.ops.SPARSE_ATTENTION_OPS``, ``passes.kv_writes.KV_STORE``).
+KV_STORE = torch.ops.dsa_dcp.kv_store.default
+SPARSE_MLA = torch.ops.dsa_dcp.sparse_mla.default
+
+__all__ = ["DSAModel", "DSALayer", "MLAAttention", "LightningIndexer", "SwiGLU", "RMSNorm",
+           "rope_inv_freq", "apply_rope"]
+
+
+# ---------------------------------------------------------------------- small pieces
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_inv_freq(dim: int, theta: float) -> Tensor:
+    """``theta ** (-2i / dim)`` for ``i < dim / 2`` (fp32, computed in fp64)."""
+    return (theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs ``(x[i], x[i + d/2])`` (half-split / NeoX layout). ``cos, sin``: ``[T, d/2]``,
+    broadcast over any head dims between T and the last."""
+    half = x.shape[-1] // 2
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP standing in for DeepSeek/GLM's MoE (the DCP rewrite never touches it)."""
+
+    def __init__(self, cfg: DSAConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(cfg.intermediate_size, cfg.hidden_size))
+        self.w_up = nn.Parameter(torch.empty(cfg.intermediate_size, cfg.hidden_size))
+        self.w_down = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
+
+
+# ---------------------------------------------------------------------- indexer
+
+
+class LightningIndexer(nn.Module):
+    """DeepSeek-V3.2 lightning indexer: picks each row's top-k KV slots of its own request.
+
+    ``score[t, p] = sum_h w[t, h] * relu(q[t, h] . k[slot(p)])`` over positions ``p <= pos[t]``
+    of row t's request; the keys are read from the replicated ``index_cache`` (written here for
+    this step's rows first, so a chunk sees its own earlier rows). Candidates span the full
+    per-request capacity ``max_pages * P`` (static shape). Returns int32 ``[T, K]`` global slots,
+    ``K = min(index_topk, max_pages * P)``, best first, ``-1`` where the row has < K candidates.
+    """
+
+    def __init__(self, cfg: DSAConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        di, hi = cfg.index_head_dim, cfg.index_n_heads
+        self.wq = nn.Parameter(torch.empty(hi * di, cfg.q_lora_rank))
+        self.wk = nn.Parameter(torch.empty(di, cfg.hidden_size))
+        self.k_norm = nn.LayerNorm(di, eps=cfg.norm_eps)
+        self.w_weights = nn.Parameter(torch.empty(hi, cfg.hidden_size))
+        self.weight_scale = hi**-0.5 * di**-0.5
+        self.register_buffer("index_cache", torch.zeros(0, di), persistent=False)  # sized by DSAModel
+
+    def _rope_first(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        r = self.cfg.index_rope_dim
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def forward(self, x: Tensor, q_a: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor,
+                page_table: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        k = self._rope_first(self.k_norm(F.linear(x, self.wk)), cos, sin)
+        KV_STORE(self.index_cache, slots, k.to(self.index_cache.dtype))
+
+        q = self._rope_first(F.linear(q_a, self.wq).view(t, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
+        w = F.linear(x, self.w_weights).float() * self.weight_scale  # [T, Hi]
+
+        # Candidate slots: every position of the row's request, over the full capacity.
+        page_size = cfg.page_size
+        pages = page_table.index_select(0, req_ids.clamp(min=0)).long()  # [T, max_pages]
+        offs = torch.arange(page_size, device=pages.device)
+        cand = (pages.unsqueeze(-1) * page_size + offs).flatten(1)  # [T, C]
+        capacity = cand.shape[1]
+        pos = torch.arange(capacity, device=cand.device)
+        valid = (pos.unsqueeze(0) <= positions.unsqueeze(1)) & (cand >= 0)
+
+        keys = self.index_cache[cand.clamp(min=0)].float()  # [T, C, Di]
+        logits = torch.einsum("thd,tcd->thc", q.float(), keys).relu()
+        score = torch.einsum("thc,th->tc", logits, w)
+        score = score.masked_fill(~valid, float("-inf"))
+
+        top_score, top_idx = torch.topk(score, min(cfg.index_topk, capacity), dim=-1)
+        top_slots = cand.gather(1, top_idx)
+        return torch.where(top_score == float("-inf"), torch.full_like(top_slots, -1), top_slots).to(torch.int32)
+
+
+# ---------------------------------------------------------------------- attention
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention, absorbed decode form, over the top-k slots.
+
+    The epilogue is kept in exactly the form the DCP merge pass pattern-matches to shard by
+    heads: ``einsum("thc,hcv->thv", out, w_uv)`` -> ``flatten(1)`` -> ``linear(., w_o)``.
+    """
+
+    def __init__(self, cfg: DSAConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer = layer
+        h = cfg.n_heads
+        self.wq_a = nn.Parameter(torch.empty(cfg.q_lora_rank, cfg.hidden_size))
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = nn.Parameter(torch.empty(h * cfg.qk_head_dim, cfg.q_lora_rank))
+        self.wkv_a = nn.Parameter(torch.empty(cfg.kv_dim, cfg.hidden_size))
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.w_uk = nn.Parameter(torch.empty(h, cfg.qk_nope_head_dim, cfg.kv_lora_rank))
+        self.w_uv = nn.Parameter(torch.empty(h, cfg.kv_lora_rank, cfg.v_head_dim))
+        self.w_o = nn.Parameter(torch.empty(cfg.hidden_size, h * cfg.v_head_dim))
+        self.indexer = LightningIndexer(cfg) if cfg.has_indexer(layer) else None
+        self.register_buffer("kv_cache", torch.zeros(0, cfg.kv_dim), persistent=False)  # sized by DSAModel
+
+    def forward(self, x: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor, page_table: Tensor,
+                topk: Tensor | None, rope: tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Returns ``(o[T, hidden], topk[T, K])``; ``topk`` is this layer's own (indexer layers) or
+        the one passed in (IndexShare layers)."""
+        cfg = self.cfg
+        t = x.shape[0]
+        cos, sin, idx_cos, idx_sin = rope
+        dc = cfg.kv_lora_rank
+
+        q_a = self.q_a_norm(F.linear(x, self.wq_a))
+        q = F.linear(q_a, self.wq_b).view(t, cfg.n_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin)
+
+        kv_a = F.linear(x, self.wkv_a)
+        c_kv = self.kv_a_norm(kv_a[:, :dc])
+        k_pe = apply_rope(kv_a[:, dc:], cos, sin)
+        KV_STORE(self.kv_cache, slots, torch.cat([c_kv, k_pe], dim=-1).to(self.kv_cache.dtype))
+
+        if self.indexer is not None:
+            topk = self.indexer(x, q_a, positions, req_ids, slots, page_table, idx_cos, idx_sin)
+        assert topk is not None, "a layer without an indexer needs the previous indexer's top-k"
+
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
+        out, lse = SPARSE_MLA(q_lat, q_pe.contiguous(), self.kv_cache, topk, cfg.sm_scale)
+        o = torch.einsum("thc,hcv->thv", out, self.w_uv)
+        o = o.flatten(1)
+        o = torch.nn.functional.linear(o, self.w_o)
+        return o, topk
+
+
+class DSALayer(nn.Module):
+    def __init__(self, cfg: DSAConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = MLAAttention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, h: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor, page_table: Tensor,
+                topk: Tensor | None, rope: tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        a, topk = self.attn(self.attn_norm(h), positions, req_ids, slots, page_table, topk, rope)
+        h = h + a
+        h = h + self.mlp(self.mlp_norm(h))
+        return h, topk
+
+
+# ---------------------------------------------------------------------- model
+
+
+class DSAModel(nn.Module):
+    """DeepSeek-V3.2 / GLM-5-shaped decoder with sparse attention on a paged KV pool.
+
+    ``num_slots`` is the global slot pool size S. The KV caches are allocated by
+    ``dsa_dcp.kv_cache.allocate_kv_cache(S, Dc + Dr, dcp_size=, interleave=)``, so a DCP rank
+    holds only the ``local_cache_rows(S, N, I)`` rows it owns and the backend can read the layout
+    off the tensor (``dcp_size=1``: the global cache). ``kv_rows`` instead gives a raw cache of
+    that many rows with no recorded layout (an escape hatch; the DCP backend refuses it). The
+    index-key caches are always global ``[S, index_head_dim]`` (replicated under DCP).
+
+    Weights are drawn on the CPU from ``seed`` (the same values on every device), then
+    cast/moved; caches are allocated directly at ``dtype``/``device``. ``model.to(...)`` keeps
+    the KV layouts (``_apply`` re-records them).
+
+    Buffers (non-persistent): ``layers[i].attn.kv_cache`` for every layer,
+    ``layers[i].attn.indexer.index_cache`` for indexer layers.
+    """
+
+    def __init__(self, cfg: DSAConfig, num_slots: int, *, kv_rows: int | None = None, dcp_size: int = 1,
+                 interleave: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 seed: int = 0) -> None:
+        super().__init__()
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.cfg = cfg
+        self.num_slots = num_slots
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DSALayer(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self._init_weights(seed)
+        self.to(device=device, dtype=dtype)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta).to(device),
+                             persistent=False)
+        self.register_buffer("index_rope_inv_freq", rope_inv_freq(cfg.index_rope_dim, cfg.rope_theta).to(device),
+                             persistent=False)
+        self.allocate_caches(dcp_size=dcp_size, interleave=interleave, kv_rows=kv_rows)
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int) -> None:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight"):  # RMSNorm / LayerNorm gains near 1
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("norm.bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif leaf == "embed":
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:  # projections: unit gain over the contracted dim
+                fan_in = {"w_uk": p.shape[-1], "w_uv": p.shape[1]}.get(leaf, p.shape[-1])
+                p.copy_(torch.randn(p.shape, generator=gen) * fan_in**-0.5)
+
+    # ------------------------------------------------------------------ caches
+    def allocate_caches(self, *, dcp_size: int = 1, interleave: int = 1, kv_rows: int | None = None) -> None:
+        """(Re)allocate every cache, zeroed, at the model's dtype/device (see class docstring)."""
+        ref = self.embed
+        for layer in self.layers:
+            attn = layer.attn
+            if kv_rows is None:
+                attn.kv_cache = allocate_kv_cache(self.num_slots, self.cfg.kv_dim, dcp_size=dcp_size,
+                                                  interleave=interleave, dtype=ref.dtype, device=ref.device)
+            else:
+                attn.kv_cache = torch.zeros(kv_rows, self.cfg.kv_dim, dtype=ref.dtype, device=ref.device)
+            if attn.indexer is not None:
+                attn.indexer.index_cache = torch.zeros(self.num_slots, self.cfg.index_head_dim,
+                                                       dtype=ref.dtype, device=ref.device)
+
+    def _apply(self, fn, recurse=True):
+        # A move/cast makes new cache tensors; keep their recorded KV layouts.
+        layouts = [kv_layout(c) for c in self.kv_caches()] if hasattr(self, "layers") else []
+        out = super()._apply(fn, recurse)
+        for layer, layout in zip(self.layers, layouts):
+            cache = layer.attn.kv_cache
+            if layout is not None and kv_layout(cache) is None:
+                fresh = allocate_kv_cache(layout.num_slots, cache.shape[1], dcp_size=layout.dcp_size,
+                                          interleave=layout.interleave, dtype=cache.dtype, device=cache.device)
+                layer.attn.kv_cache = fresh.copy_(cache)
+        if hasattr(self, "rope_inv_freq"):  # rope tables stay fp32 whatever the model dtype
+            dev = self.rope_inv_freq.device
+            self.rope_inv_freq = rope_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta).to(dev)
+            self.index_rope_inv_freq = rope_inv_freq(self.cfg.index_rope_dim, self.cfg.rope_theta).to(dev)
+        return out
+
+    @property
+    def kv_rows(self) -> int:
+        return self.layers[0].attn.kv_cache.shape[0]
+
+    def kv_caches(self) -> list[Tensor]:
+        """Every layer's KV cache, layer order."""
+        return [layer.attn.kv_cache for layer in self.layers]
+
+    def index_caches(self) -> dict[int, Tensor]:
+        """Index-key cache of each indexer layer, keyed by layer id."""
+        return {i: layer.attn.indexer.index_cache for i, layer in enumerate(self.layers)
+                if layer.attn.indexer is not None}
+
+    @torch.no_grad()
+    def reset_caches(self) -> None:
+        for c in self.kv_caches():
+            c.zero_()
+        for c in self.index_caches().values():
+            c.zero_()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor,
+                page_table: Tensor) -> Tensor:
+        freqs = positions.float().unsqueeze(-1) * self.rope_inv_freq
+        idx_freqs = positions.float().unsqueeze(-1) * self.index_rope_inv_freq
+        rope = (freqs.cos(), freqs.sin(), idx_freqs.cos(), idx_freqs.sin())
+
+        h = F.embedding(input_ids, self.embed)
+        topk: Tensor | None = None
+        for layer in self.layers:
+            h, topk = layer(h, positions, req_ids, slots, page_table, topk, rope)
+        return F.linear(self.norm(h), self.lm_head).float()

@@ -1,0 +1,197 @@
+"""The op vocabulary: the graph nodes the DCP passes find and rewrite.
+
+Each op is a ``torch.library`` custom op, so dynamo records it as one node, its fake
+implementation gives output metadata during tracing, and in-place writes are declared. The
+contracts (single-rank meaning) are written once here and in ``docs/ops.md``:
+
+``kv_store(cache[S, D], slots[B], rows[B, D])``
+    In place ``cache[slots[i]] = rows[i]``; negative slots are skipped. No host sync on CUDA.
+
+``sparse_mla(q_nope[B, H, Dc], q_pe[B, H, Dr], kv[S, Dc + Dr], topk[B, K], sm_scale) -> (out[B, H, Dc], lse[B, H])``
+    Softmax attention of each row over the KV rows named in ``topk`` (negative entries skipped;
+    the value is the first ``Dc`` columns). ``lse`` is float32, natural log. A row with no valid
+    slot returns ``out = 0``, ``lse = -inf``.
+
+``topk_remap(topk[B, K], dcp_size, rank, interleave) -> (local[B, K] int32, count[B] int32)``
+    Keeps the slots ``rank`` owns, as local rows, compacted to the front in order; tail ``-1``.
+
+``lse_combine(out[N, B, H, D], lse[N, B, H]) -> (out[B, H, D], lse[B, H])``
+    Log-sum-exp merge of ``N`` partial results; shards with ``-inf``/``+inf``/NaN LSE are empty;
+    all-empty gives ``0`` and ``-inf``.
+
+Every sparse attention op (the built-in ``sparse_mla`` and each function decorated with
+``@dsa_dcp.sparse_attention``) is listed in ``SPARSE_ATTENTION_OPS``; that table is how the passes
+recognize attention nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from dsa_dcp import kernels
+
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseAttentionSpec:
+    """What the passes need to know about one sparse attention op."""
+
+    name: str
+    op: torch._ops.OpOverload
+    impl: Callable[..., tuple[Tensor, Tensor]]
+    lse_base: str  # "e" or "2": the base the implementation returns; the op normalizes to e
+    empty_lse: str  # how the implementation marks empty rows: "-inf", "+inf" or "nan"
+
+
+SPARSE_ATTENTION_OPS: dict[torch._ops.OpOverload, SparseAttentionSpec] = {}
+
+
+def is_sparse_attention(target: object) -> bool:
+    return target in SPARSE_ATTENTION_OPS
+
+
+# --------------------------------------------------------------------------- boundary checks
+
+
+def check_sparse_mla_inputs(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor) -> None:
+    """Shape/dtype contract of ``sparse_mla``; raises ``ValueError`` naming the broken rule."""
+    if q_nope.dim() != 3 or q_pe.dim() != 3:
+        raise ValueError(f"sparse_mla: q_nope and q_pe must be [B, H, D], got {tuple(q_nope.shape)} and {tuple(q_pe.shape)}")
+    if q_nope.shape[:2] != q_pe.shape[:2]:
+        raise ValueError(f"sparse_mla: q_nope {tuple(q_nope.shape)} and q_pe {tuple(q_pe.shape)} differ in [B, H]")
+    if kv.dim() != 2 or kv.shape[1] != q_nope.shape[2] + q_pe.shape[2]:
+        raise ValueError(
+            f"sparse_mla: kv must be [S, Dc + Dr] = [S, {q_nope.shape[2] + q_pe.shape[2]}], got {tuple(kv.shape)}"
+        )
+    if topk.dim() != 2 or topk.shape[0] != q_nope.shape[0]:
+        raise ValueError(f"sparse_mla: topk must be [B, K] with B = {q_nope.shape[0]}, got {tuple(topk.shape)}")
+    if topk.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sparse_mla: topk must be int32 or int64 slot ids, got {topk.dtype}")
+
+
+def _sparse_mla_fake_outputs(q_nope: Tensor) -> tuple[Tensor, Tensor]:
+    b, h, _ = q_nope.shape
+    return q_nope.new_empty(q_nope.shape), q_nope.new_empty((b, h), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- kv_store
+
+
+@torch.library.custom_op("dsa_dcp::kv_store", mutates_args=("cache",))
+def kv_store(cache: Tensor, slots: Tensor, rows: Tensor) -> None:
+    kernels.kv_store_reference(cache, slots, rows)
+
+
+@kv_store.register_kernel("cuda")
+def _kv_store_cuda(cache: Tensor, slots: Tensor, rows: Tensor) -> None:
+    kernels.kv_store_triton(cache, slots, rows)
+
+
+@kv_store.register_fake
+def _kv_store_fake(cache: Tensor, slots: Tensor, rows: Tensor) -> None:
+    if slots.dim() != 1 or rows.dim() != 2 or rows.shape[0] != slots.shape[0] or rows.shape[1] != cache.shape[1]:
+        raise ValueError(
+            f"kv_store: want cache [S, D], slots [B], rows [B, D]; got {tuple(cache.shape)}, "
+            f"{tuple(slots.shape)}, {tuple(rows.shape)}"
+        )
+
+
+# --------------------------------------------------------------------------- sparse_mla
+
+
+@torch.library.custom_op("dsa_dcp::sparse_mla", mutates_args=())
+def sparse_mla(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
+    return kernels.sparse_mla_reference(q_nope, q_pe, kv, topk, sm_scale)
+
+
+@sparse_mla.register_kernel("cuda")
+def _sparse_mla_cuda(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
+    from dsa_dcp.kernels import flashinfer_mla
+
+    if flashinfer_mla.available() and flashinfer_mla.supports(q_nope, q_pe, kv):
+        return flashinfer_mla.sparse_mla_flashinfer(q_nope, q_pe, kv, topk, sm_scale)
+    return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale)
+
+
+@sparse_mla.register_fake
+def _sparse_mla_fake(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
+    check_sparse_mla_inputs(q_nope, q_pe, kv, topk)
+    return _sparse_mla_fake_outputs(q_nope)
+
+
+SPARSE_ATTENTION_OPS[torch.ops.dsa_dcp.sparse_mla.default] = SparseAttentionSpec(
+    name="sparse_mla",
+    op=torch.ops.dsa_dcp.sparse_mla.default,
+    impl=kernels.sparse_mla_reference,
+    lse_base="e",
+    empty_lse="-inf",
+)
+
+
+# --------------------------------------------------------------------------- topk_remap
+
+
+@torch.library.custom_op("dsa_dcp::topk_remap", mutates_args=())
+def topk_remap(topk: Tensor, dcp_size: int, rank: int, interleave: int) -> tuple[Tensor, Tensor]:
+    return kernels.topk_remap_reference(topk, dcp_size, rank, interleave)
+
+
+@topk_remap.register_kernel("cuda")
+def _topk_remap_cuda(topk: Tensor, dcp_size: int, rank: int, interleave: int) -> tuple[Tensor, Tensor]:
+    return kernels.topk_remap_triton(topk, dcp_size, rank, interleave)
+
+
+@topk_remap.register_fake
+def _topk_remap_fake(topk: Tensor, dcp_size: int, rank: int, interleave: int) -> tuple[Tensor, Tensor]:
+    if topk.dim() != 2:
+        raise ValueError(f"topk_remap: topk must be [B, K], got {tuple(topk.shape)}")
+    if not (dcp_size >= 1 and 0 <= rank < dcp_size and interleave >= 1):
+        raise ValueError(f"topk_remap: need dcp_size >= 1, 0 <= rank < dcp_size, interleave >= 1; got {dcp_size}, {rank}, {interleave}")
+    return (
+        topk.new_empty(topk.shape, dtype=torch.int32),
+        topk.new_empty(topk.shape[:1], dtype=torch.int32),
+    )
+
+
+# --------------------------------------------------------------------------- lse_combine
+
+
+@torch.library.custom_op("dsa_dcp::lse_combine", mutates_args=())
+def lse_combine(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    return kernels.lse_combine_reference(out, lse)
+
+
+@lse_combine.register_kernel("cuda")
+def _lse_combine_cuda(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    return kernels.lse_combine_triton(out, lse)
+
+
+@lse_combine.register_fake
+def _lse_combine_fake(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    if out.dim() != 4 or lse.shape != out.shape[:3]:
+        raise ValueError(f"lse_combine: want out [N, B, H, D] and lse [N, B, H]; got {tuple(out.shape)}, {tuple(lse.shape)}")
+    return out.new_empty(out.shape[1:]), lse.new_empty(lse.shape[1:], dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- normalization
+
+
+def normalize_attention_result(out: Tensor, lse: Tensor, topk: Tensor, lse_base: str) -> tuple[Tensor, Tensor]:
+    """Bring an implementation's ``(out, lse)`` to the ``sparse_mla`` convention.
+
+    Converts base-2 LSE to natural log and forces every empty row (no valid slot, or an LSE of
+    ``+inf``/NaN as some kernels mark them) to ``out = 0``, ``lse = -inf``. Elementwise: no sync.
+    """
+    lse = lse.float()
+    if lse_base == "2":
+        lse = lse * LN2
+    empty = ~torch.isfinite(lse) | (topk < 0).all(dim=-1, keepdim=True)
+    lse = torch.where(empty, torch.full_like(lse, -math.inf), lse)
+    out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
+    return out, lse

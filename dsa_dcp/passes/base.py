@@ -1,0 +1,82 @@
+"""What every pass shares: the compile context, a cache-correct ``uuid()``, and a report."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import logging
+from typing import Any
+
+import torch.fx as fx
+
+from dsa_dcp.config import DCPOptions
+
+log = logging.getLogger("dsa_dcp.passes")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileContext:
+    """What a pass may depend on: the options and where this rank sits in its DCP group.
+
+    ``group_name`` names the process group for functional collectives (``None`` when
+    ``dcp_size == 1`` or when compiling for inspection without a live group).
+    """
+
+    options: DCPOptions
+    rank: int
+    group_name: str | None
+    # The real tensors behind the graph's placeholders (parameters and caches are placeholders).
+    example_inputs: tuple = dataclasses.field(default=(), compare=False, repr=False)
+
+    @property
+    def dcp_size(self) -> int:
+        return self.options.dcp_size
+
+
+@dataclasses.dataclass
+class PassResult:
+    """What one pass did, in numbers the inspection tool and the demo print."""
+
+    name: str
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    code_before: str = ""
+    code_after: str = ""
+    nodes_added: list[str] = dataclasses.field(default_factory=list)
+    nodes_removed: list[str] = dataclasses.field(default_factory=list)
+
+
+class DCPPass:
+    """A graph pass: ``run(gm, ctx)`` rewrites ``gm`` in place and returns its stats.
+
+    Subclasses say in their docstring what graph they expect and what they leave. ``uuid()``
+    hashes the pass's source and the context, so a graph compiled for one rank, group size or
+    option set is never served to another from a compile cache.
+    """
+
+    name = "pass"
+
+    def run(self, gm: fx.GraphModule, ctx: CompileContext) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def uuid(self, ctx: CompileContext) -> str:
+        src = inspect.getsource(type(self))
+        key = f"{type(self).__qualname__}|{src}|{ctx.options.cache_key()}|{ctx.rank}|{ctx.group_name}"
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    def __call__(self, gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+        before_nodes = {_node_key(n) for n in gm.graph.nodes}
+        result = PassResult(name=self.name, code_before=gm.code)
+        result.stats = self.run(gm, ctx) or {}
+        gm.graph.lint()
+        gm.recompile()
+        after_nodes = {_node_key(n) for n in gm.graph.nodes}
+        result.code_after = gm.code
+        result.nodes_added = sorted(after_nodes - before_nodes)
+        result.nodes_removed = sorted(before_nodes - after_nodes)
+        log.debug("%s: %s", self.name, result.stats)
+        return result
+
+
+def _node_key(node: fx.Node) -> str:
+    return f"{node.name} = {node.op}:{getattr(node.target, '__name__', node.target)}"

@@ -1,0 +1,468 @@
+"""Triton kernels vs their torch references vs independent fp64 brute force.
+
+On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set before the kernel
+modules are defined). On a GPU machine, run with TRITON_INTERPRET=0 to test the compiled kernels
+on CUDA tensors with the same cases.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dsa_dcp.kernels import _common  # noqa: E402
+
+# import_module, not `from dsa_dcp.kernels import topk_remap`: the package's dispatcher functions
+# share their modules' names and shadow them as package attributes
+kv_store_mod = importlib.import_module("dsa_dcp.kernels.kv_store")
+lse_combine_mod = importlib.import_module("dsa_dcp.kernels.lse_combine")
+sparse_mla_mod = importlib.import_module("dsa_dcp.kernels.sparse_mla")
+topk_remap_mod = importlib.import_module("dsa_dcp.kernels.topk_remap")
+
+INTERPRET = _common.is_interpreted(topk_remap_mod._topk_remap_kernel)
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+# Triton was imported before TRITON_INTERPRET=1 (by another test module, say): the kernels cannot
+# run on CPU in this process, so one test reruns this file in a fresh one and the rest skip.
+NEEDS_FRESH_PROCESS = DEVICE == "cpu" and not (INTERPRET and _common.interpreter_ready())
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_or_fresh_process(request):
+    if NEEDS_FRESH_PROCESS and request.node.originalname != "test_in_fresh_interpreter":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1; test_in_fresh_interpreter runs this case")
+
+
+@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the interpreter works in this process")
+def test_in_fresh_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+# the interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest): one bf16 ulp
+BF16_ULP = 2.0**-7
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _gen(*params) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(params).encode()))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str) -> None:
+    """No NaN, same infinities, and max |a - e| <= rtol * max |e| over the finite entries."""
+    a = actual.detach().double().cpu()
+    e = expected.detach().double().cpu()
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert not torch.isnan(a).any(), f"{what}: NaN in result"
+    assert torch.equal(torch.isneginf(a), torch.isneginf(e)), f"{what}: -inf positions differ"
+    assert torch.equal(torch.isposinf(a), torch.isposinf(e)), f"{what}: +inf positions differ"
+    fin = torch.isfinite(e)
+    if fin.any():
+        err = (a[fin] - e[fin]).abs().max().item()
+        scale = max(e[fin].abs().max().item(), 1e-6)
+        assert err <= rtol * scale, f"{what}: max abs err {err:.3e} > {rtol:.0e} * {scale:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# topk_remap
+
+
+def _random_topk(gen, B, K, S, dtype):
+    """Distinct slots per row, negative padding at random positions, one empty row, one sparse row."""
+    rows = [
+        torch.randperm(S, generator=gen)[:K] if K <= S else torch.randint(0, S, (K,), generator=gen) for _ in range(B)
+    ]
+    topk = torch.stack(rows) if B else torch.empty((0, K), dtype=torch.int64)
+    pad = torch.rand((B, K), generator=gen) < 0.3
+    topk[pad] = -1
+    if B > 0:
+        topk[0] = -1  # a row with no valid slot
+    if B > 1 and K > 2:
+        keep = torch.zeros(K, dtype=torch.bool)
+        keep[torch.randperm(K, generator=gen)[:2]] = True
+        topk[1][~keep] = -1  # K much larger than the valid slots
+    if B > 2 and K > 1:
+        topk[2, K // 2] = -7  # any negative id means "no slot"
+    return topk.to(dtype)
+
+
+def _brute_remap(topk, N, r, I):
+    """Python loops over the DESIGN.md formulas, independent of dsa_dcp.slots."""
+    B, K = topk.shape
+    local = torch.full((B, K), -1, dtype=torch.int32)
+    count = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        kept = [(s // (N * I)) * I + s % I for s in topk[b].tolist() if s >= 0 and (s // I) % N == r]
+        local[b, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
+        count[b] = len(kept)
+    return local, count
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 4])
+@pytest.mark.parametrize("I", [1, 2, 3])
+@pytest.mark.parametrize("K,block_k,dtype", [(7, None, torch.int32), (33, 8, torch.int64)])
+def test_topk_remap(N, I, K, block_k, dtype):
+    B = 6
+    S = 4 * K * N * I + 1  # N * I does not divide S (for N * I > 1)
+    topk = _random_topk(_gen("remap", N, I, K), B, K, S, dtype)
+    valid_per_row = (topk >= 0).sum(1)
+    counts = torch.zeros(B, dtype=torch.int64)
+    seen = [[] for _ in range(B)]
+    for r in range(N):
+        exp_local, exp_count = _brute_remap(topk, N, r, I)
+        ref_local, ref_count = topk_remap_mod.topk_remap_reference(topk.to(DEVICE), N, r, I)
+        tri_local, tri_count = topk_remap_mod.topk_remap_triton(topk.to(DEVICE), N, r, I, block_k=block_k)
+        for what, loc, cnt in (("reference", ref_local, ref_count), ("triton", tri_local, tri_count)):
+            assert loc.dtype == torch.int32 and cnt.dtype == torch.int32, what
+            assert torch.equal(loc.cpu(), exp_local), f"{what} local rows, rank {r}"
+            assert torch.equal(cnt.cpu(), exp_count), f"{what} counts, rank {r}"
+        counts += exp_count
+        for b in range(B):
+            for lrow in tri_local[b, : int(tri_count[b])].tolist():
+                # invert local_row for rank r: the global slot it stores
+                seen[b].append((lrow // I) * N * I + r * I + lrow % I)
+    assert torch.equal(counts, valid_per_row), "kept counts over all ranks != valid entries"
+    for b in range(B):
+        valid = sorted(s for s in topk[b].tolist() if s >= 0)
+        assert sorted(seen[b]) == valid, f"row {b}: each valid slot must land on exactly one rank"
+
+
+@pytest.mark.parametrize("K,N,I", [(2047, 3, 2), (2048, 4, 1)])
+def test_topk_remap_large_k(K, N, I):
+    topk = _random_topk(_gen("remap-large", K, N, I), 3, K, 3 * K * N * I + 5, torch.int32)
+    for r in range(N):
+        exp_local, exp_count = _brute_remap(topk, N, r, I)
+        tri_local, tri_count = topk_remap_mod.topk_remap_triton(topk.to(DEVICE), N, r, I)
+        assert torch.equal(tri_local.cpu(), exp_local) and torch.equal(tri_count.cpu(), exp_count)
+
+
+@pytest.mark.parametrize("B,K", [(0, 5), (3, 0), (0, 0)])
+def test_topk_remap_empty(B, K):
+    topk = torch.full((B, K), -1, dtype=torch.int64, device=DEVICE)
+    for fn in (topk_remap_mod.topk_remap_reference, topk_remap_mod.topk_remap_triton):
+        local, count = fn(topk, 2, 1, 1)
+        assert local.shape == (B, K) and count.shape == (B,)
+        assert local.dtype == count.dtype == torch.int32
+        assert (local == -1).all() and (count == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# lse_combine
+
+
+def _random_shards(gen, N, B, H, D, dtype, lse_scale=3.0, lse_shift=0.0):
+    out = torch.randn((N, B, H, D), generator=gen).to(dtype)
+    lse = torch.randn((N, B, H), generator=gen) * lse_scale + lse_shift
+    bad = torch.rand((N, B, H), generator=gen) < 0.25
+    kinds = torch.tensor([float("-inf"), float("inf"), float("nan")])
+    lse[bad] = kinds[torch.randint(0, 3, (int(bad.sum()),), generator=gen)]
+    lse[:, 0, 0] = float("-inf")  # every shard of (0, 0) empty
+    if B > 1 and H > 1:
+        lse[:, 1, 1] = float("nan")  # all empty, through NaN
+        lse[N - 1, 1, 1] = 0.5  # ... except the last shard
+    if B > 2:
+        lse[:, 2, :] = float("inf")  # FlashMLA's empty-row convention
+    empty = ~torch.isfinite(lse)
+    out[empty] = float("nan")  # an empty shard's out must never be read
+    return out, lse
+
+
+def _brute_combine(out, lse):
+    N, B, H, D = out.shape
+    res = torch.zeros((B, H, D), dtype=torch.float64)
+    res_lse = torch.full((B, H), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            shards = [r for r in range(N) if math.isfinite(float(lse[r, b, h]))]
+            if not shards:
+                continue
+            m = max(float(lse[r, b, h]) for r in shards)
+            total = sum(math.exp(float(lse[r, b, h]) - m) for r in shards)
+            res_lse[b, h] = m + math.log(total)
+            for r in shards:
+                res[b, h] += math.exp(float(lse[r, b, h]) - res_lse[b, h].item()) * out[r, b, h].double()
+    return res, res_lse
+
+
+def _check_combine(out, lse, block_d=None):
+    exp_out, exp_lse = _brute_combine(out, lse)
+    rtol = RTOL[out.dtype]
+    ref = lse_combine_mod.lse_combine_reference(out.to(DEVICE), lse.to(DEVICE))
+    tri = lse_combine_mod.lse_combine_triton(out.to(DEVICE), lse.to(DEVICE), block_d=block_d)
+    for what, (o, lz) in (("reference", ref), ("triton", tri)):
+        assert o.dtype == out.dtype and lz.dtype == torch.float32, what
+        assert_close(o, exp_out, rtol, f"{what} out")
+        assert_close(lz, exp_lse, 1e-5, f"{what} lse")
+        empty = torch.isneginf(exp_lse)
+        assert (o.cpu()[empty] == 0).all(), f"{what}: all-empty (b, h) must give out = 0"
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,block_d", [(5, None), (40, 16)])
+def test_lse_combine(N, dtype, D, block_d):
+    out, lse = _random_shards(_gen("combine", N, dtype, D), N, 3, 4, D, dtype)
+    _check_combine(out, lse, block_d)
+
+
+@pytest.mark.parametrize("N,D,dtype", [(3, 576, torch.bfloat16), (2, 512, torch.float32), (8, 576, torch.float32)])
+def test_lse_combine_mla_width(N, D, dtype):
+    out, lse = _random_shards(_gen("combine-wide", N, D, dtype), N, 3, 2, D, dtype)
+    _check_combine(out, lse)
+
+
+def test_lse_combine_large_lse():
+    """exp(lse) overflows fp32 here; the running max must keep everything finite."""
+    out, lse = _random_shards(_gen("combine-large"), 3, 3, 4, 8, torch.float32, lse_scale=200.0, lse_shift=900.0)
+    _check_combine(out, lse)
+
+
+@pytest.mark.parametrize("N,B,H", [(0, 2, 3), (2, 0, 3), (2, 2, 0)])
+def test_lse_combine_empty(N, B, H):
+    out = torch.randn((N, B, H, 6), device=DEVICE)
+    lse = torch.randn((N, B, H), device=DEVICE)
+    for fn in (lse_combine_mod.lse_combine_reference, lse_combine_mod.lse_combine_triton):
+        o, lz = fn(out, lse)
+        assert o.shape == (B, H, 6) and lz.shape == (B, H)
+        assert (o == 0).all() and torch.isneginf(lz).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse_mla
+
+
+def _brute_mla(q_nope, q_pe, kv, topk, sm_scale):
+    B, H, Dc = q_nope.shape
+    qn, qp, kvd = q_nope.double().cpu(), q_pe.double().cpu(), kv.double().cpu()
+    out = torch.zeros((B, H, Dc), dtype=torch.float64)
+    lse = torch.full((B, H), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        idx = [j for j in topk[b].tolist() if j >= 0]
+        if not idx:
+            continue
+        rows = kvd[idx]
+        scores = (qn[b] @ rows[:, :Dc].T + qp[b] @ rows[:, Dc:].T) * sm_scale  # [H, n]
+        lse[b] = torch.logsumexp(scores, dim=1)
+        out[b] = torch.softmax(scores, dim=1) @ rows[:, :Dc]
+    return out, lse
+
+
+def _random_mla(gen, B, H, K, S, Dc, Dr, dtype):
+    q_nope = torch.randn((B, H, Dc), generator=gen).to(dtype)
+    q_pe = torch.randn((B, H, Dr), generator=gen).to(dtype)
+    kv = torch.randn((S, Dc + Dr), generator=gen).to(dtype)
+    topk = _random_topk(gen, B, K, S, torch.int64)
+    return q_nope, q_pe, kv, topk
+
+
+MLA_CASES = [
+    # B, H, K, S, Dc, Dr, block_h, block_k, num_splits
+    (3, 4, 7, 50, 16, 8, 2, 4, 1),  # elementwise path, several head and K blocks
+    (3, 4, 7, 50, 16, 8, None, None, None),  # default tiles: tl.dot, H and K padded
+    (3, 5, 40, 33, 16, 8, 16, 16, 1),  # tl.dot, three K blocks, K > S
+    (3, 5, 40, 33, 16, 8, 16, 16, 3),  # split K: three splits merged by lse_combine
+    (4, 3, 13, 60, 12, 6, 2, 4, 2),  # Dc, Dr not powers of two; splits with no valid key
+    (3, 20, 19, 70, 32, 16, 16, 16, 1),  # two head blocks with tl.dot
+]
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: "B{}H{}K{}S{}Dc{}Dr{}bh{}bk{}sp{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_mla(case, dtype):
+    B, H, K, S, Dc, Dr, block_h, block_k, num_splits = case
+    q_nope, q_pe, kv, topk = _random_mla(_gen("mla", case, dtype), B, H, K, S, Dc, Dr, dtype)
+    sm_scale = 0.5
+    exp_out, exp_lse = _brute_mla(q_nope, q_pe, kv, topk, sm_scale)
+    args = [t.to(DEVICE) for t in (q_nope, q_pe, kv, topk)]
+    # the reference in fp64 must agree with the brute force almost exactly
+    ref64_out, ref64_lse = sparse_mla_mod.sparse_mla_reference(*args, sm_scale, compute_dtype=torch.float64)
+    if dtype == torch.float32:
+        assert_close(ref64_out, exp_out, 1e-6, "fp64 reference out")  # only the output rounding
+    assert_close(ref64_lse, exp_lse, 1e-6, "fp64 reference lse")
+    ref = sparse_mla_mod.sparse_mla_reference(*args, sm_scale)
+    tri = sparse_mla_mod.sparse_mla_triton(*args, sm_scale, block_h=block_h, block_k=block_k, num_splits=num_splits)
+    for what, (o, lz) in (("reference", ref), ("triton", tri)):
+        assert o.dtype == dtype and lz.dtype == torch.float32, what
+        assert_close(o, exp_out, RTOL[dtype], f"{what} out")
+        assert_close(lz, exp_lse, 1e-5, f"{what} lse")
+        assert (o[0] == 0).all() and torch.isneginf(lz[0]).all(), f"{what}: a row with no slot"
+
+
+def test_sparse_mla_long_topk():
+    """DeepSeek-V3.2's K = 2048 (minus one), most of it padding, over a few K tiles."""
+    q_nope, q_pe, kv, topk = _random_mla(_gen("mla-long"), 2, 4, 2047, 3000, 16, 8, torch.float32)
+    topk[1, 1000:] = torch.randperm(3000, generator=_gen("mla-long-fill"))[:1047]
+    exp_out, exp_lse = _brute_mla(q_nope, q_pe, kv, topk, 0.25)
+    args = [t.to(DEVICE) for t in (q_nope, q_pe, kv, topk)]
+    out, lse = sparse_mla_mod.sparse_mla_triton(*args, 0.25, block_k=128, num_splits=4)
+    assert_close(out, exp_out, 1e-5, "out")
+    assert_close(lse, exp_lse, 1e-5, "lse")
+
+
+def test_sparse_mla_strided_views():
+    """q_nope / q_pe split from one tensor and a KV view with padded rows: no copies, same result."""
+    B, H, K, S, Dc, Dr = 2, 3, 9, 40, 16, 8
+    gen = _gen("mla-views")
+    q = torch.randn((B, H, Dc + Dr), generator=gen)
+    kv_big = torch.randn((S, Dc + Dr + 8), generator=gen)
+    topk = _random_topk(gen, B, K, S, torch.int32)
+    q_nope, q_pe, kv = q[..., :Dc], q[..., Dc:], kv_big[:, :Dc + Dr]
+    exp_out, exp_lse = _brute_mla(q_nope, q_pe, kv, topk, 0.3)
+    args = [t.to(DEVICE) for t in (q_nope, q_pe, kv, topk)]
+    for block_h, block_k in ((2, 4), (16, 16)):
+        out, lse = sparse_mla_mod.sparse_mla_triton(*args, 0.3, block_h=block_h, block_k=block_k)
+        assert_close(out, exp_out, 1e-5, "out")
+        assert_close(lse, exp_lse, 1e-5, "lse")
+
+
+@pytest.mark.parametrize("B,H,K", [(0, 4, 5), (2, 4, 0), (2, 0, 5)])
+def test_sparse_mla_empty(B, H, K):
+    q_nope, q_pe = torch.randn((B, H, 16), device=DEVICE), torch.randn((B, H, 8), device=DEVICE)
+    kv = torch.randn((10, 24), device=DEVICE)
+    topk = torch.zeros((B, K), dtype=torch.int64, device=DEVICE)
+    for fn in (sparse_mla_mod.sparse_mla_reference, sparse_mla_mod.sparse_mla_triton):
+        out, lse = fn(q_nope, q_pe, kv, topk, 0.1)
+        assert out.shape == (B, H, 16) and lse.shape == (B, H)
+        assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# kv_store
+
+
+@pytest.mark.parametrize("cache_dtype,rows_dtype", [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float32, torch.bfloat16),
+])  # fmt: skip
+@pytest.mark.parametrize("D,block_d,slot_dtype", [(6, 4, torch.int32), (576, None, torch.int64)])
+def test_kv_store(cache_dtype, rows_dtype, D, block_d, slot_dtype):
+    gen = _gen("kv", cache_dtype, rows_dtype, D)
+    S, B = 13, 6
+    cache = torch.randn((S, D), generator=gen).to(cache_dtype)
+    rows = torch.randn((B, D), generator=gen).to(rows_dtype)
+    slots = torch.randperm(S, generator=gen)[:B]
+    slots[1], slots[4] = -1, -3
+    slots = slots.to(slot_dtype)
+    expected = cache.double()
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            expected[s] = rows[i].double()
+    written = torch.zeros(S, dtype=torch.bool)
+    written[[s for s in slots.tolist() if s >= 0]] = True
+    for fn in (kv_store_mod.kv_store_reference, kv_store_mod.kv_store_triton):
+        got = cache.clone().to(DEVICE)
+        if fn is kv_store_mod.kv_store_triton:
+            fn(got, slots.to(DEVICE), rows.to(DEVICE), block_d=block_d)
+        else:
+            fn(got, slots.to(DEVICE), rows.to(DEVICE))
+        got = got.cpu()
+        assert got.dtype == cache_dtype
+        assert torch.equal(got[~written], cache[~written]), f"{fn.__name__}: rows it must not touch changed"
+        # a cast to bf16 may differ by one ulp (rounding mode of the Triton interpreter)
+        tol = BF16_ULP if (cache_dtype == torch.bfloat16 and rows_dtype != cache_dtype) else 0.0
+        diff = (got.double() - expected).abs()
+        assert (diff <= tol * expected.abs()).all(), f"{fn.__name__}: stored rows differ"
+
+
+def test_kv_store_strided_cache_and_empty():
+    gen = _gen("kv-view")
+    big = torch.randn((9, 20), generator=gen).to(DEVICE)
+    cache = big[:, 4:16]  # a view: written in place, never copied
+    before = big.clone()
+    rows = torch.randn((3, 12), generator=gen).to(DEVICE)
+    slots = torch.tensor([8, -1, 0], device=DEVICE)
+    kv_store_mod.kv_store_triton(cache, slots, rows)
+    expected = before.clone()
+    expected[8, 4:16], expected[0, 4:16] = rows[0], rows[2]
+    assert torch.equal(big, expected)
+    kv_store_mod.kv_store_triton(cache, slots[:0], rows[:0])  # B == 0: nothing happens
+    assert torch.equal(big, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatchers, input checks, import without the interpreter
+
+
+def test_dispatchers_follow_device():
+    from dsa_dcp import kernels
+
+    gen = _gen("dispatch")
+    topk = _random_topk(gen, 3, 9, 40, torch.int64).to(DEVICE)
+    a, b = kernels.topk_remap(topk, 2, 1, 2), topk_remap_mod.topk_remap_reference(topk, 2, 1, 2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    out, lse = _random_shards(gen, 2, 3, 2, 4, torch.float32)
+    a, b = kernels.lse_combine(out.to(DEVICE), lse.to(DEVICE)), _brute_combine(out, lse)
+    assert_close(a[0], b[0], 1e-5, "out")
+    assert_close(a[1], b[1], 1e-5, "lse")
+    cache = torch.zeros((4, 3), device=DEVICE)
+    kernels.kv_store(cache, torch.tensor([2, -1], device=DEVICE), torch.ones((2, 3), device=DEVICE))
+    assert cache.sum().item() == 3 and (cache[2] == 1).all()
+    assert set(kernels.__all__) == {
+        f"{op}{suffix}" for op in ("topk_remap", "lse_combine", "kv_store") for suffix in ("", "_reference", "_triton")
+    } | {"sparse_mla_reference", "sparse_mla_triton"}
+
+
+def _bad_calls():
+    t, f = torch.zeros((2, 3), dtype=torch.int64), torch.zeros((2, 4, 16))
+    return [
+        ("topk_remap", (t[0], 2, 0, 1), "dims"),
+        ("topk_remap", (t.float(), 2, 0, 1), "int32 or int64"),
+        ("topk_remap", (t, 2, 2, 1), "rank"),
+        ("topk_remap", (t, 0, 0, 1), "dcp_size"),
+        ("topk_remap", (t, 2, 0, 0), "interleave"),
+        ("lse_combine", (torch.zeros((2, 2, 4, 8)), torch.zeros((2, 2, 3))), "shape"),
+        ("lse_combine", (torch.zeros((2, 2, 4, 8)), torch.zeros((2, 2, 4), dtype=torch.bfloat16)), "dtype"),
+        ("lse_combine", (torch.zeros((2, 4, 8)), torch.zeros((2, 4))), "dims"),
+        ("sparse_mla", (f, torch.zeros((2, 4, 8)), torch.zeros((10, 25)), t, 0.1), "columns"),
+        ("sparse_mla", (f, torch.zeros((2, 3, 8)), torch.zeros((10, 24)), t, 0.1), "q_pe"),
+        ("sparse_mla", (f, torch.zeros((2, 4, 8)), torch.zeros((10, 24)), t[:1], 0.1), "rows"),
+        ("sparse_mla", (f, torch.zeros((2, 4, 8)), torch.zeros((10, 24)), t.int().float(), 0.1), "int32"),
+        ("kv_store", (torch.zeros((5, 4)), torch.zeros(2, dtype=torch.int64), torch.zeros((2, 3))), "width"),
+        ("kv_store", (torch.zeros((5, 4)), torch.zeros(3, dtype=torch.int64), torch.zeros((2, 4))), "rows"),
+        ("kv_store", (torch.zeros((5, 4)), torch.zeros(2), torch.zeros((2, 4))), "int32 or int64"),
+    ]
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("op,args,match", _bad_calls(), ids=lambda x: x if isinstance(x, str) else "")
+def test_input_checks(impl, op, args, match):
+    mod = {"topk_remap": topk_remap_mod, "lse_combine": lse_combine_mod,
+           "sparse_mla": sparse_mla_mod, "kv_store": kv_store_mod}[op]  # fmt: skip
+    args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
+    with pytest.raises(ValueError, match=match):
+        getattr(mod, f"{op}_{impl}")(*args)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU-only behaviour")
+def test_import_without_interpreter():
+    """The kernels import on a CPU machine without TRITON_INTERPRET and refuse CPU launches clearly."""
+    code = (
+        "import torch\n"
+        "from dsa_dcp import kernels\n"
+        "t = torch.full((2, 3), -1, dtype=torch.int64)\n"
+        "assert torch.equal(kernels.topk_remap(t, 2, 0)[1], torch.zeros(2, dtype=torch.int32))\n"
+        "try:\n"
+        "    kernels.topk_remap_triton(t, 2, 0)\n"
+        "except RuntimeError as e:\n"
+        "    assert 'TRITON_INTERPRET' in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('launched a compiled Triton kernel on CPU tensors')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,0 +1,43 @@
+"""The multi-rank harness: results by rank, failures with tracebacks, no hangs."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dsa_dcp.launch import RankError, run_on_ranks
+
+
+def _sum_of_ranks(rank, world, scale):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {"rank": rank, "world": world, "sum": t.item() * scale}
+
+
+def _fails_on_rank_one(rank, world):
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()  # would wait forever for rank 1
+    return rank
+
+
+def _sleeps(rank, world):
+    time.sleep(60)
+
+
+def test_results_come_back_in_rank_order():
+    out = run_on_ranks(_sum_of_ranks, 3, 2.0)
+    assert out == [{"rank": r, "world": 3, "sum": 6.0} for r in range(3)]
+
+
+def test_a_failing_rank_fails_the_caller_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"(?s)rank 1 of 2 failed:.*ValueError: rank one is broken"):
+        run_on_ranks(_fails_on_rank_one, 2, timeout=60)
+    assert time.monotonic() - start < 60
+
+
+def test_a_rank_that_never_finishes_times_out():
+    with pytest.raises(RankError, match=r"did not finish within 5 s"):
+        run_on_ranks(_sleeps, 2, timeout=5)
