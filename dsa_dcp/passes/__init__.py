@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dsa_dcp.passes.base import CompileContext, DCPPass
+from dsa_dcp.passes.dcp_rewrite import DCPRewrite
+from dsa_dcp.passes.kv_writes import LocalizeKVWrites
 
 
 def build_pipeline(ctx: CompileContext) -> list[DCPPass]:
     """The ordered passes for these options (none when ``dcp_size == 1``: the graph is kept)."""
-    return []
+    if ctx.dcp_size == 1:
+        return []
+    return [LocalizeKVWrites(), DCPRewrite()]

@@ -1,0 +1,86 @@
+"""The backend's front door: options, registration, and dcp_size=1 equal to eager."""
+
+import importlib.metadata
+
+import pytest
+import torch
+
+import dsa_dcp
+from dsa_dcp.config import DCPOptions, OptionsError
+from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
+
+
+def test_backend_is_registered_as_entry_point():
+    names = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")}
+    assert names.get("dsa_dcp") == "dsa_dcp.backend:dsa_dcp_backend"
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert lookup_backend("dsa_dcp") is dsa_dcp.backend
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"dcp": 2}, r"unknown dsa_dcp option\(s\) \['dcp'\]; valid options are \['dcp_size'"),
+        ({"merge": "allgather"}, r"merge must be one of \['ag', 'a2a', 'ag_rs'\], got 'allgather'"),
+        ({"dcp_size": 0}, r"dcp_size must be an integer >= 1, got 0"),
+        ({"dcp_size": True}, r"dcp_size must be an integer >= 1, got True"),
+        ({"interleave": 2.0}, r"interleave must be an integer >= 1, got 2.0"),
+        ({"lowering": "tensorrt"}, r"lowering must be one of \['fx', 'inductor'\]"),
+        ({"dcp_size": 2, "rank": 2}, r"rank must be None or in \[0, dcp_size\), got 2"),
+    ],
+)
+def test_bad_options_name_what_is_valid(options, message):
+    with pytest.raises(OptionsError, match=message):
+        DCPOptions.parse(options)
+
+
+def test_all_option_problems_are_reported_together():
+    with pytest.raises(OptionsError) as err:
+        DCPOptions.parse({"dcp_size": -1, "merge": "x", "interleave": 0})
+    text = str(err.value)
+    assert "dcp_size" in text and "merge" in text and "interleave" in text
+
+
+def test_bad_option_fails_at_compile_time_through_torch_compile():
+    f = torch.compile(lambda x: x + 1, backend="dsa_dcp", options={"merge": "nope"})
+    with pytest.raises(Exception, match=r"merge must be one of"):
+        f(torch.zeros(2))
+
+
+def test_dcp_size_above_one_needs_a_group():
+    f = torch.compile(lambda x: x + 1, backend="dsa_dcp", options={"dcp_size": 2})
+    with pytest.raises(Exception, match=r"dcp_size=2 needs an initialized torch.distributed process group"):
+        f(torch.zeros(2))
+
+
+def test_options_cache_key_covers_every_option():
+    base = DCPOptions.parse({})
+    keys = {base.cache_key()}
+    for change in ({"dcp_size": 2}, {"merge": "ag"}, {"interleave": 2}, {"lowering": "inductor"}, {"dcp_size": 2, "rank": 1}):
+        keys.add(DCPOptions.parse(change).cache_key())
+    assert len(keys) == 6
+
+
+@pytest.mark.parametrize(
+    "family, layers, lowering",
+    [("deepseek-v3.2-tiny", 3, "fx"), ("glm5.2-tiny", 8, "fx"), ("glm5.2-tiny", 4, "inductor")],
+)
+def test_dcp_size_one_equals_eager(family, layers, lowering):
+    torch._dynamo.reset()
+    cfg = get_config(family, n_layers=layers)
+    batch = standard_test_batch(cfg, max_new_tokens=8, seed=1)
+    eager = DSAModel(cfg, batch.num_slots, seed=3)
+    compiled_model = DSAModel(cfg, batch.num_slots, seed=3)
+    compiled = torch.compile(compiled_model, backend="dsa_dcp", options={"dcp_size": 1, "lowering": lowering},
+                             fullgraph=True)
+    with torch.no_grad():
+        ref = generate(eager, batch, 8, pad_to=16)
+        out = generate(compiled, batch, 8, pad_to=16)
+    assert out.tokens == ref.tokens
+    assert len(out.step_logits) == len(ref.step_logits) >= 8
+    for a, b in zip(out.step_logits, ref.step_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    report = dsa_dcp.backend_report()
+    assert report.summary["sparse_attention_nodes"] == layers
+    assert report.passes == []  # dcp_size=1 keeps the graph as written

@@ -1,0 +1,150 @@
+"""The DCP rewrite on N CPU ranks over gloo, against the single-rank model.
+
+One spawn per (family, N) runs every merge mode that applies, so the suite pays the process and
+import cost once per group. Each rank returns its logits, tokens and local KV caches; the test
+compares them with the single-rank eager model and rebuilds the global cache from the shards.
+"""
+
+import pytest
+import torch
+
+from dsa_dcp.launch import run_on_ranks
+from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
+from dsa_dcp.slots import local_cache_rows, local_row, owner
+
+STEPS = 16
+ROWS = 16
+LAYERS = {"deepseek-v3.2-tiny": 3, "glm5.2-tiny": 8}
+
+
+def _setup(family):
+    cfg = get_config(family, n_layers=LAYERS[family])
+    return cfg, standard_test_batch(cfg, max_new_tokens=STEPS, seed=7)
+
+
+def _dcp_rank(rank, world, family, merges, interleave):
+    import dsa_dcp
+
+    cfg, batch = _setup(family)
+    results = {}
+    for merge in merges:
+        torch._dynamo.reset()
+        model = DSAModel(cfg, batch.num_slots, dcp_size=world, interleave=interleave, seed=11)
+        options = {"dcp_size": world, "merge": merge, "interleave": interleave}
+        step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True)
+        try:
+            with torch.no_grad():
+                out = generate(step, batch, STEPS, pad_to=ROWS)
+        except Exception as e:  # noqa: BLE001 - the parent asserts on refusals
+            results[merge] = {"error": str(e)}
+            continue
+        results[merge] = {
+            "tokens": out.tokens,
+            "logits": out.step_logits,
+            "caches": [c.clone() for c in model.kv_caches()],
+            "summary": dsa_dcp.backend_report().summary,
+        }
+    return results
+
+
+def _single_rank(family):
+    cfg, batch = _setup(family)
+    model = DSAModel(cfg, batch.num_slots, seed=11)
+    with torch.no_grad():
+        ref = generate(model, batch, STEPS, pad_to=ROWS)
+    return cfg, batch, ref, model.kv_caches()
+
+
+def _relative_error(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+CASES = [
+    ("glm5.2-tiny", 2, ("ag", "a2a", "ag_rs"), 1),
+    ("deepseek-v3.2-tiny", 2, ("ag", "a2a", "ag_rs"), 1),
+    ("glm5.2-tiny", 3, ("ag", "a2a"), 1),  # 4 heads: a2a cannot shard them over 3 ranks
+    ("deepseek-v3.2-tiny", 3, ("ag",), 2),
+    ("glm5.2-tiny", 4, ("ag", "a2a", "ag_rs"), 1),
+    ("deepseek-v3.2-tiny", 4, ("a2a", "ag_rs"), 2),
+]
+
+
+@pytest.mark.parametrize("family, world, merges, interleave", CASES, ids=lambda v: str(v))
+def test_dcp_matches_single_rank(family, world, merges, interleave):
+    cfg, batch, ref, ref_caches = _single_rank(family)
+    ranks = run_on_ranks(_dcp_rank, world, family, merges, interleave)
+    for merge in merges:
+        if cfg.n_heads % world and merge != "ag":
+            for r in ranks:
+                assert f"merge='{merge}' shards heads over the group" in r[merge]["error"]
+                assert f"not divisible by dcp_size={world}" in r[merge]["error"]
+            continue
+        for rank, res in enumerate(ranks):
+            got = res[merge]
+            assert "error" not in got, got.get("error")
+            assert got["tokens"] == ref.tokens, (merge, rank)
+            assert len(got["logits"]) == len(ref.step_logits)
+            for a, b in zip(got["logits"], ref.step_logits):
+                assert _relative_error(a, b) < 1e-5, (merge, rank)
+            s = got["summary"]
+            assert s["sparse_attention_nodes"] == cfg.n_layers
+            assert s["remaps"] == cfg.n_layers
+            assert s["merges"] == cfg.n_layers
+            # ag: 1 gather per layer; a2a: 1 all-to-all + 1 all-reduce; ag_rs: gather, reduce-scatter, all-reduce
+            per_layer = {"ag": 1, "a2a": 2, "ag_rs": 3}[merge]
+            assert s["collectives"] == per_layer * cfg.n_layers
+        _check_caches_are_split(cfg, batch, ref_caches, [r[merge]["caches"] for r in ranks], world, interleave)
+
+
+def _check_caches_are_split(cfg, batch, ref_caches, rank_caches, world, interleave):
+    """Every written token is stored exactly once, on its owner, at its local row."""
+    s = batch.num_slots
+    rows = local_cache_rows(s, world, interleave)
+    slots = torch.arange(s)
+    own, row = owner(slots, world, interleave), local_row(slots, world, interleave)
+    written = ref_caches[0].abs().sum(-1) > 0
+    assert written.sum() > 0
+    for layer, ref in enumerate(ref_caches):
+        rebuilt = torch.zeros_like(ref)
+        used = [torch.zeros(rows, dtype=torch.bool) for _ in range(world)]
+        for r in range(world):
+            cache = rank_caches[r][layer]
+            assert cache.shape == (rows, cfg.kv_dim)
+            mine = own == r
+            rebuilt[mine] = cache[row[mine]]
+            used[r][row[mine]] = True
+            # rows that hold no slot of this rank were never written
+            assert cache[~used[r]].abs().sum() == 0
+        torch.testing.assert_close(rebuilt, ref, rtol=1e-5, atol=1e-5)
+
+
+def _misconfigured_rank(rank, world):
+    cfg, batch = _setup("glm5.2-tiny")
+    rows = torch.zeros(ROWS, dtype=torch.int64)
+    inputs = (rows, rows - 1, rows, rows - 1, batch.page_table)
+    cases = {
+        "group_size": (DSAModel(cfg, batch.num_slots, dcp_size=world), {"dcp_size": world + 1}),
+        "global_cache": (DSAModel(cfg, batch.num_slots), {"dcp_size": world}),
+        "unknown_layout": (DSAModel(cfg, batch.num_slots, kv_rows=batch.num_slots // world + 1), {"dcp_size": world}),
+        "interleave": (DSAModel(cfg, batch.num_slots, dcp_size=world), {"dcp_size": world, "interleave": 2}),
+        "unknown_merge": (DSAModel(cfg, batch.num_slots, dcp_size=world), {"dcp_size": world, "merge": "ring"}),
+    }
+    errors = {}
+    for name, (model, options) in cases.items():
+        torch._dynamo.reset()
+        try:
+            torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True)(*inputs)
+        except Exception as e:  # noqa: BLE001
+            errors[name] = str(e)
+    return errors
+
+
+def test_misconfigurations_fail_at_compile_time_with_clear_errors():
+    errors = run_on_ranks(_misconfigured_rank, 2)[0]
+    assert "dcp_size=3 but the DCP process group has 2 ranks; they must be equal" in errors["group_size"]
+    assert "was allocated for dcp_size=1, interleave=1" in errors["global_cache"]
+    assert "a DCP rank never holds the global cache" in errors["global_cache"]
+    assert "was not allocated by dsa_dcp.allocate_kv_cache" in errors["unknown_layout"]
+    assert "allocated for dcp_size=2, interleave=1" in errors["interleave"]
+    assert "but compiled for dcp_size=2, interleave=2" in errors["interleave"]
+    assert "merge must be one of ['ag', 'a2a', 'ag_rs'], got 'ring'" in errors["unknown_merge"]
