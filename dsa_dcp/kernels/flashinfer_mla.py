@@ -3,12 +3,12 @@
 FlashInfer has no sparse MLA decode for Hopper, but its paged MLA kernel with ``page_size = 1``
 is sparse attention when the page list of a row is its top-k: ``kv_indices`` are the valid slots
 (compacted to the front of each row by ``topk_remap`` with one rank, so no host-side filtering),
-``kv_indptr[b] = b * K`` and ``kv_len[b]`` = the row's valid count. Its LSE is base 2 and its
+``kv_indptr`` the running sum of the rows' valid counts (``kv_len``). Its LSE is base 2 and its
 result for a row with no slot is unspecified, so both are normalized here (natural log,
 ``out = 0``, ``lse = -inf``).
 
-``plan()`` copies the index pointers to the host, so this path synchronizes once per call; the
-CUDA-graph lowering plans outside capture.
+``plan()`` copies the index pointers to the host, so this path synchronizes once per call;
+inside a CUDA-graph capture the ``sparse_mla`` op uses the Triton kernel instead.
 """
 
 from __future__ import annotations
@@ -57,8 +57,13 @@ def sparse_mla_flashinfer(
     compact, count = topk_remap_triton(topk, 1, 0, 1)  # valid slots first, in order; counts per row
     device = q_nope.device
     qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=device)
-    kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=device) * k
-    kv_indices = compact.clamp(min=0).reshape(-1)
+    kv_indptr = torch.zeros(b + 1, dtype=torch.int32, device=device)
+    kv_indptr[1:] = torch.cumsum(count, 0)
+    # Pack every row's valid slots back to back (CSR); the invalid tail goes to one spare entry.
+    col = torch.arange(k, device=device)
+    dest = torch.where(col < count[:, None], kv_indptr[:-1, None] + col, b * k)
+    kv_indices = torch.zeros(b * k + 1, dtype=torch.int32, device=device)
+    kv_indices[dest.reshape(-1)] = compact.reshape(-1).to(torch.int32)
     wrapper = _wrapper(device, backend)
     wrapper.plan(qo_indptr, kv_indptr, kv_indices, count, h, dc, q_pe.shape[-1], 1, False, sm_scale,
                  q_nope.dtype, kv.dtype)

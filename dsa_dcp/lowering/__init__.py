@@ -2,7 +2,8 @@
 
 ``fx`` runs the graph as generated Python code (the default; every custom op dispatches to its
 CPU or CUDA kernel). ``inductor`` hands the graph to Inductor (AOT autograd + codegen); the
-``dsa_dcp`` custom ops stay fallback kernels there.
+``dsa_dcp`` custom ops stay fallback kernels there. On CUDA the result is then replayed from CUDA
+graphs (``cuda_graphs.CudaGraphStep``), unless ``options.cuda_graphs`` is ``False``.
 """
 
 from __future__ import annotations
@@ -13,11 +14,24 @@ import torch
 import torch.fx as fx
 
 from dsa_dcp.config import DCPOptions
+from dsa_dcp.lowering.cuda_graphs import CudaGraphStep
+
+
+def runs_on_cuda(example_inputs: Sequence[object]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
 
 def lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: DCPOptions) -> Callable:
+    on_cuda = runs_on_cuda(example_inputs)
+    graphs = on_cuda if options.cuda_graphs is None else options.cuda_graphs
+    if graphs and not on_cuda:  # refused by dsa_dcp.validate before the passes ran
+        raise AssertionError("CUDA graphs for a CPU step")
     if options.lowering == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, list(example_inputs))
-    return gm.forward
+        fn = compile_fx(gm, list(example_inputs))
+    else:
+        fn = gm.forward
+    if graphs:
+        return CudaGraphStep(fn, example_inputs, options.batch_sizes, count=True)
+    return fn

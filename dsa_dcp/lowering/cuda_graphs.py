@@ -1,0 +1,107 @@
+"""Replay a compiled step from CUDA graphs.
+
+Dynamo compiles one graph per static input shape, so a step that an engine pads up to a few row
+buckets (``options.batch_sizes``) compiles, and is captured, once per bucket. ``CudaGraphStep``
+wraps the compiled callable:
+
+- Inputs whose address never changes between calls (parameters and buffers, which dynamo marks
+  static — the KV caches among them) are used in place. The other inputs (rows, page table) are
+  copied into static buffers before each replay, so a caller that changes its tensors in place
+  between steps is always seen.
+- The first call of a shape runs the step eagerly twice on a side stream (compiling every Triton
+  kernel and letting allocators settle), then captures it once and replays it. KV writes repeat
+  the same rows to the same slots, so the warm-up runs are harmless.
+- A shape whose leading dimension exceeds the largest bucket runs uncaptured.
+- Outputs are copied out of the graph's static buffers, so a result stays valid after the next
+  step.
+
+Everything inside the step must be capturable: no host syncs, no data-dependent shapes. The
+``sparse_mla`` op uses its Triton kernel while a capture is under way (FlashInfer plans on the
+host).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import torch
+
+log = logging.getLogger("dsa_dcp.lowering")
+
+
+def _is_static(t: object) -> bool:
+    return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+class _Captured:
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list, outputs, kernels: int | None):
+        self.graph, self.inputs, self.outputs, self.kernels = graph, inputs, outputs, kernels
+
+
+def count_kernels(fn: Callable, args: Sequence) -> int:
+    """CUDA kernels one eager run of ``fn(*args)`` launches (what its graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset")))
+
+
+class CudaGraphStep:
+    """``fn`` replayed from one CUDA graph per input signature (see module docstring)."""
+
+    def __init__(self, fn: Callable, example_inputs: Sequence, batch_sizes: Sequence[int], count: bool = False):
+        self.fn = fn
+        self.max_rows = max(batch_sizes)
+        self.static = [_is_static(t) for t in example_inputs]
+        self.count = count
+        self.graphs: dict[tuple, _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.uncaptured_calls = 0
+
+    def _signature(self, args: Sequence) -> tuple:
+        return tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args)
+
+    def _capturable(self, args: Sequence) -> bool:
+        return all(
+            not isinstance(a, torch.Tensor) or static or a.dim() == 0 or a.shape[0] <= self.max_rows
+            for a, static in zip(args, self.static)
+        )
+
+    def kernels_per_step(self) -> dict[tuple, int | None]:
+        return {sig: c.kernels for sig, c in self.graphs.items()}
+
+    def _capture(self, args: list) -> _Captured:
+        inputs = [a if static or not isinstance(a, torch.Tensor) else a.clone() for a, static in zip(args, self.static)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.fn(*inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        kernels = count_kernels(self.fn, inputs) if self.count else None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.fn(*inputs)
+        log.debug("captured a CUDA graph for %s (%s kernels)", self._signature(args), kernels)
+        return _Captured(graph, inputs, outputs, kernels)
+
+    def __call__(self, *args):
+        if not self._capturable(args):
+            self.uncaptured_calls += 1
+            return self.fn(*args)
+        sig = self._signature(args)
+        captured = self.graphs.get(sig)
+        if captured is None:
+            captured = self.graphs[sig] = self._capture(list(args))
+        for buf, a, static in zip(captured.inputs, args, self.static):
+            if not static and isinstance(a, torch.Tensor) and buf.data_ptr() != a.data_ptr():
+                buf.copy_(a)
+        captured.graph.replay()
+        outputs = captured.outputs
+        if isinstance(outputs, torch.Tensor):
+            return outputs.clone()
+        return type(outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in outputs)
