@@ -1,0 +1,261 @@
+"""Fused a2a merge: pack, exchange and LSE-combine in one kernel launch per layer.
+
+Contract (``fused_a2a_merge_reference``, the composed reference, is the same function)::
+
+    fused_a2a_merge(out_r[B, H, D], lse_r[B, H], N, r) -> (out[B, H/N, D], lse[B, H/N])
+
+where rank ``r`` receives head group ``r`` (heads ``[r*G, (r+1)*G)``, ``G = H/N``) of every rank's
+partial result and LSE-combines them (``lse_combine`` semantics: non-finite LSE = empty shard).
+
+The kernel works on a ``MergeWorkspace`` that every rank of the group allocates once, before any
+CUDA-graph capture, and whose buffers all ranks can address:
+
+- ``payload[2, N, B_max, G, D]`` (dtype of ``out``) and ``lse[2, N, B_max, G]`` (float32): slot
+  ``e % 2`` of merge number ``e``, source rank, row, head;
+- ``flags[N]`` (int64): ``flags[src]`` counts the programs of ``src`` that finished writing here;
+- ``state[2]`` (int64, local only): ``[merges done, programs done in this merge]``;
+- ``peers[3, N]`` (int64): each rank's ``payload``, ``lse`` and ``flags`` addresses as seen here.
+
+Program ``p`` of rank ``r`` (grid ``P = min(B, max_programs)``, identical on every rank):
+
+1. reads ``e = state[0]``; for its rows ``b = p, p + P, ...`` and every destination ``j`` it writes
+   head group ``j`` of ``out_r[b]``, ``lse_r[b]`` into rank ``j``'s slot ``e % 2`` at source ``r``;
+2. block barrier, then ``flags_j[r] += 1`` on every rank ``j`` (release, system scope);
+3. spins until ``flags[src] >= (e + 1) * P`` for every ``src`` (acquire, system scope);
+4. combines its rows of its own head group from the ``N`` sources and writes the result;
+5. the last program to finish sets ``state = [e + 1, 0]`` (every program read ``e`` before that).
+
+Epochs grow monotonically and are never reset, so the kernel replays inside a CUDA graph. Two
+slots suffice: a rank can write merge ``e + 2`` into a peer only after it received that peer's
+merge ``e + 1``, which the peer sends after it finished reading merge ``e``. All ``P`` programs of
+a rank must be resident at once (spinning programs wait for the others): ``max_programs`` stays
+below the number of SMs.
+
+The table of peer addresses comes from torch symmetric memory on several GPUs
+(``MergeWorkspace.symmetric``), or from CUDA tensors shared between processes on one GPU
+(``MergeWorkspace.from_buffers``, the test harness). Under the Triton interpreter the kernel runs
+in two phases (``PHASE`` 1: steps 1-2, ``PHASE`` 2: steps 3-5) so one process can play all ranks
+without spinning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from dsa_dcp.kernels._common import check_launchable, next_pow2
+from dsa_dcp.kernels.lse_combine import lse_combine_reference
+
+MAX_PROGRAMS = 64
+
+
+def fused_a2a_merge_reference(outs: list[torch.Tensor], lses: list[torch.Tensor], rank: int
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What rank ``rank`` gets, from every rank's ``out_r[B, H, D]`` and ``lse_r[B, H]``."""
+    n = len(outs)
+    g = outs[0].shape[1] // n
+    heads = slice(rank * g, (rank + 1) * g)
+    return lse_combine_reference(torch.stack([o[:, heads] for o in outs]), torch.stack([l[:, heads] for l in lses]))
+
+
+@triton.jit
+def _fused_a2a_merge_kernel(
+    out_ptr, lse_ptr, res_ptr, res_lse_ptr,
+    peers_ptr, my_payload_ptr, my_lse_ptr, my_flags_ptr, state_ptr,
+    B, H, D, G, B_MAX,
+    N: tl.constexpr, RANK: tl.constexpr, BLOCK_D: tl.constexpr, PHASE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    epoch = tl.load(state_ptr)
+    slot = epoch % 2
+    offs = tl.arange(0, BLOCK_D)
+    dmask = offs < D
+
+    if PHASE != 2:
+        # 1. send head group j of my rows to rank j
+        for b in range(pid, B, nprog):
+            for j in range(N):
+                dst_payload = tl.load(peers_ptr + j).to(tl.pointer_type(out_ptr.dtype.element_ty))
+                dst_lse = tl.load(peers_ptr + N + j).to(tl.pointer_type(tl.float32))
+                for g in range(G):
+                    h = j * G + g
+                    vals = tl.load(out_ptr + (b * H + h) * D + offs, mask=dmask)
+                    row = ((slot * N + RANK) * B_MAX + b) * G + g
+                    tl.store(dst_payload + row * D + offs, vals, mask=dmask)
+                    tl.store(dst_lse + row, tl.load(lse_ptr + b * H + h))
+        # 2. every thread's stores are done before the flag is raised
+        tl.debug_barrier()
+        for j in range(N):
+            dst_flags = tl.load(peers_ptr + 2 * N + j).to(tl.pointer_type(tl.int64))
+            tl.atomic_add(dst_flags + RANK, 1, sem="release", scope="sys")
+
+    if PHASE != 1:
+        # 3. wait for every source's programs of this merge
+        target = (epoch + 1) * nprog
+        for src in range(N):
+            seen = tl.atomic_add(my_flags_ptr + src, 0, sem="acquire", scope="sys")
+            while seen < target:
+                seen = tl.atomic_add(my_flags_ptr + src, 0, sem="acquire", scope="sys")
+        tl.debug_barrier()
+        # 4. combine my head group
+        for b in range(pid, B, nprog):
+            for g in range(G):
+                m = -float("inf")
+                for src in range(N):
+                    row = ((slot * N + src) * B_MAX + b) * G + g
+                    l_s = tl.load(my_lse_ptr + row, cache_modifier=".cg")
+                    finite = (l_s == l_s) & (l_s < float("inf")) & (l_s > -float("inf"))
+                    m = tl.maximum(m, tl.where(finite, l_s, -float("inf")))
+                m_safe = tl.where(m > -float("inf"), m, 0.0)
+                total = 0.0
+                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for src in range(N):
+                    row = ((slot * N + src) * B_MAX + b) * G + g
+                    l_s = tl.load(my_lse_ptr + row, cache_modifier=".cg")
+                    finite = (l_s == l_s) & (l_s < float("inf")) & (l_s > -float("inf"))
+                    w = tl.where(finite, tl.exp(tl.where(finite, l_s, 0.0) - m_safe), 0.0)
+                    vals = tl.load(my_payload_ptr + row * D + offs, mask=dmask, other=0.0,
+                                   cache_modifier=".cg").to(tl.float32)
+                    acc += tl.where(w > 0, w * vals, 0.0)
+                    total += w
+                nonempty = total > 0
+                res = tl.where(nonempty, acc / tl.where(nonempty, total, 1.0), 0.0)
+                tl.store(res_ptr + (b * G + g) * D + offs, res.to(res_ptr.dtype.element_ty), mask=dmask)
+                res_lse = tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), -float("inf"))
+                tl.store(res_lse_ptr + b * G + g, res_lse)
+        # 5. the last program to finish advances the epoch
+        done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
+        if done == nprog - 1:
+            tl.store(state_ptr + 1, 0)
+            tl.store(state_ptr, epoch + 1)
+
+
+@dataclasses.dataclass
+class MergeWorkspace:
+    """One rank's buffers for the fused merge and the table of every rank's addresses."""
+
+    dcp_size: int
+    rank: int
+    max_rows: int
+    heads: int  # H (all heads); each rank combines H / N of them
+    head_dim: int
+    payload: torch.Tensor  # [2, N, max_rows, G, D]
+    lse: torch.Tensor  # [2, N, max_rows, G] float32
+    flags: torch.Tensor  # [N] int64
+    state: torch.Tensor  # [2] int64
+    peers: torch.Tensor  # [3, N] int64
+
+    @staticmethod
+    def buffers(dcp_size: int, max_rows: int, heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device | str, empty=torch.empty) -> dict[str, torch.Tensor]:
+        """The shared buffers of one rank (``empty`` allocates them: plain or symmetric memory)."""
+        g = heads // dcp_size
+        flags = empty((dcp_size,), dtype=torch.int64, device=device)
+        flags.zero_()
+        return {
+            "payload": empty((2, dcp_size, max_rows, g, head_dim), dtype=dtype, device=device),
+            "lse": empty((2, dcp_size, max_rows, g), dtype=torch.float32, device=device),
+            "flags": flags,
+        }
+
+    @classmethod
+    def from_buffers(cls, rank: int, all_buffers: list[dict[str, torch.Tensor]]) -> MergeWorkspace:
+        """Build rank ``rank``'s workspace from every rank's buffers as mapped in this process."""
+        mine = all_buffers[rank]
+        n = len(all_buffers)
+        _, _, max_rows, g, d = mine["payload"].shape
+        device = mine["payload"].device
+        peers = torch.tensor(
+            [[b[k].data_ptr() for b in all_buffers] for k in ("payload", "lse", "flags")], dtype=torch.int64
+        ).to(device)
+        state = torch.zeros(2, dtype=torch.int64, device=device)
+        return cls(n, rank, max_rows, g * n, d, mine["payload"], mine["lse"], mine["flags"], state, peers)
+
+    @classmethod
+    def symmetric(cls, group_name: str, dcp_size: int, rank: int, max_rows: int, heads: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device) -> MergeWorkspace:
+        """Buffers in torch symmetric memory, peer addresses from its rendezvous (several GPUs)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        mine = cls.buffers(dcp_size, max_rows, heads, head_dim, dtype, device, empty=symm_mem.empty)
+        handles = {k: symm_mem.rendezvous(t, group_name) for k, t in mine.items()}
+        peers = torch.tensor([handles[k].buffer_ptrs for k in ("payload", "lse", "flags")], dtype=torch.int64)
+        state = torch.zeros(2, dtype=torch.int64, device=device)
+        return cls(dcp_size, rank, max_rows, heads, head_dim, mine["payload"], mine["lse"], mine["flags"], state,
+                   peers.to(device))
+
+    def fits(self, out: torch.Tensor) -> bool:
+        b, h, d = out.shape
+        return b <= self.max_rows and h == self.heads and d == self.head_dim and out.dtype == self.payload.dtype
+
+
+def fused_a2a_merge_triton(out: torch.Tensor, lse: torch.Tensor, ws: MergeWorkspace, *, phase: int = 0,
+                           max_programs: int = MAX_PROGRAMS) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch: send, signal, wait, combine (see module docstring). ``phase`` is for the
+    interpreter tests only (1: send and signal, 2: wait and combine; 0: both)."""
+    b, h, d = out.shape
+    if not ws.fits(out):
+        raise ValueError(f"fused_a2a_merge: out {tuple(out.shape)} {out.dtype} does not fit the workspace "
+                         f"(max_rows={ws.max_rows}, heads={ws.heads}, head_dim={ws.head_dim}, {ws.payload.dtype})")
+    if lse.shape != (b, h) or lse.dtype != torch.float32:
+        raise ValueError(f"fused_a2a_merge: lse must be float32 [B, H] = [{b}, {h}], got {tuple(lse.shape)} {lse.dtype}")
+    g = h // ws.dcp_size
+    res = torch.empty((b, g, d), dtype=out.dtype, device=out.device)
+    res_lse = torch.empty((b, g), dtype=torch.float32, device=out.device)
+    if b == 0:
+        return res, res_lse
+    check_launchable(_fused_a2a_merge_kernel, out, lse)
+    grid = (min(b, max_programs),)
+    _fused_a2a_merge_kernel[grid](
+        out.contiguous(), lse.contiguous(), res, res_lse,
+        ws.peers, ws.payload, ws.lse, ws.flags, ws.state,
+        b, h, d, g, ws.max_rows,
+        N=ws.dcp_size, RANK=ws.rank, BLOCK_D=next_pow2(d), PHASE=phase,
+    )
+    return res, res_lse
+
+
+# Workspaces by process-group name: registered by a harness, or created in symmetric memory on the
+# first call (which happens in a warm-up run, before any CUDA-graph capture).
+_workspaces: dict[str, MergeWorkspace] = {}
+
+
+def register_workspace(group_name: str, ws: MergeWorkspace) -> None:
+    _workspaces[group_name] = ws
+
+
+def workspace_for(group_name: str, out: torch.Tensor, dcp_size: int, rank: int) -> MergeWorkspace | None:
+    """The workspace of ``group_name`` that fits ``out``, creating one in symmetric memory if the
+    group supports it; ``None`` if there is none (the caller falls back to the composed merge)."""
+    ws = _workspaces.get(group_name)
+    if ws is not None and ws.fits(out):
+        return ws
+    try:
+        max_rows = max(64, next_pow2(out.shape[0]))
+        ws = MergeWorkspace.symmetric(group_name, dcp_size, rank, max_rows, out.shape[1], out.shape[2],
+                                      out.dtype, out.device)
+    except Exception:  # noqa: BLE001 - no symmetric memory here (one GPU per rank needed): fall back
+        return None
+    _workspaces[group_name] = ws
+    return ws
+
+
+def unavailable_reason(group_name: str) -> str | None:
+    """Why the fused merge cannot run on this CUDA group (``None`` when it can)."""
+    if group_name in _workspaces:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return "this torch has no symmetric memory"
+    backend = dist.get_backend(_resolve_process_group(group_name))
+    if backend != "nccl":
+        return f"the group's backend is {backend!r}; symmetric memory needs NCCL with one GPU per rank"
+    return None

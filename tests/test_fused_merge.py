@@ -1,0 +1,98 @@
+"""The fused a2a merge kernel: pack, exchange, combine in one launch.
+
+On the CPU the kernel runs under the Triton interpreter with one process playing every rank
+(send phase of all ranks, then receive phase: no spinning). On the GPU, N real processes share
+one GPU through CUDA IPC (``dsa_dcp.kernels.ipc_harness``).
+"""
+
+import math
+
+import pytest
+import torch
+
+from dsa_dcp.kernels._common import is_interpreted
+from dsa_dcp.kernels.fused_merge import (
+    MergeWorkspace,
+    _fused_a2a_merge_kernel,
+    fused_a2a_merge_reference,
+    fused_a2a_merge_triton,
+)
+
+interpreted = pytest.mark.skipif(
+    not is_interpreted(_fused_a2a_merge_kernel),
+    reason="one process plays every rank only under the Triton interpreter (TRITON_INTERPRET=1); "
+    "on a GPU the across-processes test covers the kernel",
+)
+
+
+def _inputs(seed, n, b, h, d, dtype, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    outs = [torch.randn(b, h, d, generator=g).to(dtype) for _ in range(n)]
+    lses = [torch.randn(b, h, generator=g) * 3 for _ in range(n)]
+    if b > 1:
+        for r in range(n):  # row 0: every shard empty; row 1: some shards empty, one NaN, one +inf
+            lses[r][0] = -math.inf
+            outs[r][0] = float("nan") if r % 2 else outs[r][0]
+        lses[0][1] = -math.inf
+        lses[-1][1, 0] = math.nan
+        lses[-1][1, -1] = math.inf
+    return [o.to(device) for o in outs], [l.to(device) for l in lses]
+
+
+def _check(res, outs, lses, rank, tol):
+    ref_out, ref_lse = fused_a2a_merge_reference([o.cpu().double() for o in outs], [l.cpu() for l in lses], rank)
+    out, lse = res[0].cpu(), res[1].cpu()
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+
+
+@interpreted
+@pytest.mark.parametrize("n, b, h, d, programs", [(1, 3, 2, 5, 64), (2, 5, 4, 8, 2), (3, 2, 6, 3, 64), (4, 4, 8, 6, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_merge_interpreted_all_ranks_in_one_process(n, b, h, d, programs, dtype):
+    buffers = [MergeWorkspace.buffers(n, 8, h, d, dtype, "cpu") for _ in range(n)]
+    workspaces = [MergeWorkspace.from_buffers(r, buffers) for r in range(n)]
+    for step in range(3):  # epochs advance; the two slots alternate
+        outs, lses = _inputs(100 * step + n, n, b, h, d, dtype)
+        for r in range(n):
+            fused_a2a_merge_triton(outs[r], lses[r], workspaces[r], phase=1, max_programs=programs)
+        for r in range(n):
+            res = fused_a2a_merge_triton(outs[r], lses[r], workspaces[r], phase=2, max_programs=programs)
+            _check(res, outs, lses, r, 1e-5 if dtype == torch.float32 else 2e-2)
+    assert all(ws.state.tolist() == [3, 0] for ws in workspaces)
+
+
+@interpreted
+def test_workspace_refuses_what_does_not_fit():
+    ws = MergeWorkspace.from_buffers(0, [MergeWorkspace.buffers(1, 4, 2, 8, torch.float32, "cpu")])
+    with pytest.raises(ValueError, match="does not fit the workspace"):
+        fused_a2a_merge_triton(torch.zeros(5, 2, 8), torch.zeros(5, 2), ws)
+
+
+STEPS = 4
+
+
+def _ipc_rank(rank, ws, n, b, h, d, dtype):
+    results = []
+    for step in range(STEPS):
+        outs, lses = _inputs(1000 * step + 7 * n + b, n, b, h, d, dtype, device="cuda")
+        res = fused_a2a_merge_triton(outs[rank], lses[rank], ws)
+        torch.cuda.synchronize()
+        results.append((res[0].cpu(), res[1].cpu()))
+    return results, ws.state.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("b", [1, 33])
+def test_fused_merge_across_processes_on_one_gpu(n, b):
+    from dsa_dcp.kernels.ipc_harness import run_ipc_ranks
+
+    h, d, dtype = 8 * n, 512, torch.bfloat16
+    ranks = run_ipc_ranks(_ipc_rank, n, 64, h, d, dtype, n, b, h, d, dtype, timeout=60)
+    for step in range(STEPS):
+        outs, lses = _inputs(1000 * step + 7 * n + b, n, b, h, d, dtype)
+        for rank, (results, state) in enumerate(ranks):
+            _check(results[step], outs, lses, rank, 2e-2)
+    assert all(state.tolist() == [STEPS, 0] for _, state in ranks)
