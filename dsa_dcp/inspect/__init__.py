@@ -1,0 +1,52 @@
+"""Inspect what the ``dsa_dcp`` backend did to a model: ``dsa_dcp.inspect(compiled)`` and ``dsa-dcp inspect``.
+
+``inspect(compiled)`` returns an ``Inspection`` of the last compilation of a ``torch.compile``
+result (or of the module / function given to ``torch.compile``). ``inspect_target(name, ...)``
+compiles a built-in config or a ``module:factory`` for rank 0 of an N-rank group in this process
+(a fake process group) and inspects it; it is what the CLI runs. ``memory_plan`` computes the
+per-rank memory plan of a config. See ``docs/inspect.md``.
+
+Importing this package is cheap: the backend files reports through ``registry``; the report,
+rendering and target code load when used. The package itself is callable —
+``dsa_dcp.inspect(compiled)`` is ``dsa_dcp.inspect.inspect(compiled)`` — so it needs no
+function of the same name to shadow it, and ``dsa_dcp.inspect.report`` etc. import as usual.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+__all__ = ["inspect", "inspect_target", "memory_plan"]
+
+
+def inspect(compiled: Any, **memory: Any):
+    """The ``Inspection`` of the last compilation of ``compiled`` (see ``report.inspect``)."""
+    from dsa_dcp.inspect.report import inspect as _inspect
+
+    return _inspect(compiled, **memory)
+
+
+def inspect_target(target: str, **kwargs: Any):
+    """Compile ``target`` for rank 0 of a fake N-rank group and inspect it (see ``targets.inspect_target``)."""
+    from dsa_dcp.inspect.targets import inspect_target as _inspect_target
+
+    return _inspect_target(target, **kwargs)
+
+
+def memory_plan(config: Any, kv_dtype: str = "bf16", dcp_size: int = 1, **kwargs: Any):
+    """Per-rank memory plan of a config (see ``memory.memory_plan``)."""
+    from dsa_dcp.inspect.memory import memory_plan as _memory_plan
+
+    return _memory_plan(config, kv_dtype, dcp_size, **kwargs)
+
+
+class _CallablePackage(types.ModuleType):
+    """This package's module type: calling it calls ``inspect``."""
+
+    def __call__(self, compiled: Any, **memory: Any):
+        return inspect(compiled, **memory)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

@@ -1,0 +1,241 @@
+"""What the compiled graph does, per layer: its top-k source, remap, merge and collectives.
+
+Computed by the backend once per compilation, on the final (rewritten) graph, so the report holds
+plain data and never keeps the graph, the model or its inputs alive:
+
+- shapes come from running the graph once on fake tensors (an ``fx.Interpreter`` under a
+  ``FakeTensorMode``, as ``FakeTensorProp`` does, but writing nothing into ``node.meta``: the graph
+  is lowered afterwards and must not carry a foreign fake mode);
+- the structure comes from a ``networkx`` dataflow view of the FX graph
+  (``dsa_dcp.passes.dataflow.to_networkx`` when that module is present, else ``dataflow_graph``
+  here): every node is attributed to the latest sparse attention node it depends on, which is
+  how a collective or a merge is tied to its layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Sequence
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dsa_dcp import merge
+from dsa_dcp.ops import SPARSE_ATTENTION_OPS
+from dsa_dcp.passes.graph import alias_base, is_collective
+
+C10D = torch.ops._c10d_functional
+TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
+# A fused merge (exchange + combine in one op, ``merge="fused_a2a"``) is both a merge and a
+# collective: it moves its packed ``(out, lse)`` as an all-to-all does.
+FUSED_MERGE = getattr(getattr(torch.ops.dsa_dcp, "fused_a2a_merge", None), "default", None)
+MERGE_TARGETS = tuple(t for t in (torch.ops.dsa_dcp.lse_combine.default, merge.finish_reduce_scatter, FUSED_MERGE)
+                      if t is not None)
+
+# Bytes a rank sends for one collective whose per-rank input is ``b`` bytes, over ``n`` ranks
+# (direct/ring algorithms): all-gather sends its shard to each other rank; all-to-all and
+# reduce-scatter keep 1/n of their input; a ring all-reduce is a reduce-scatter plus an all-gather.
+SENT_BYTES = {
+    "all_gather_into_tensor": lambda b, n: b * (n - 1),
+    "all_to_all_single": lambda b, n: b * (n - 1) // n,
+    "reduce_scatter_tensor": lambda b, n: b * (n - 1) // n,
+    "all_reduce": lambda b, n: 2 * b * (n - 1) // n,
+    "fused_a2a_merge": lambda b, n: b * (n - 1) // n,
+}
+
+
+@dataclasses.dataclass
+class Collective:
+    """One functional collective of the step, with the bytes it moves on this rank."""
+
+    node: str
+    op: str
+    layer: int | None
+    input_shape: list[int]
+    dtype: str
+    input_bytes: int
+    sent_bytes_per_rank: int
+
+
+@dataclasses.dataclass
+class LayerFlow:
+    """One sparse attention node (a layer) and what feeds and follows it."""
+
+    layer: int
+    node: str
+    op: str
+    topk_source: str  # id of the top-k tensor it attends with (a ``TopkSource.id``)
+    remap: str | None  # the ``topk_remap`` node it uses, None when the graph has none
+    merge: str | None  # the merge node (lse_combine / finish_reduce_scatter) after it
+    collectives: list[str]
+
+
+@dataclasses.dataclass
+class TopkSource:
+    """A distinct top-k tensor: computed by a layer's indexer, or an input of the graph."""
+
+    id: str  # the FX node name
+    first_layer: int  # the first layer that attends with it (its indexer's layer)
+    layers: list[int]
+
+
+@dataclasses.dataclass
+class RemapGroup:
+    """One ``topk_remap`` node and the layers whose attention reads its result."""
+
+    node: str
+    topk_source: str
+    layers: list[int]
+
+
+@dataclasses.dataclass
+class GraphAnalysis:
+    layers: list[LayerFlow]
+    sources: list[TopkSource]
+    remaps: list[RemapGroup]
+    collectives: list[Collective]
+    dcp_size: int
+    merge: str | None
+    shapes_known: bool = True
+    note: str = ""
+    process_group: str = ""  # the group this rank was compiled in, as seen at compile time
+
+
+def process_group_note(dcp_size: int) -> str:
+    import torch.distributed as dist
+
+    if dcp_size == 1:
+        return "none (dcp_size = 1)"
+    if dist.is_available() and dist.is_initialized():
+        return f"{dist.get_backend()} backend, rank {dist.get_rank()} of {dist.get_world_size()}"
+    return "none"
+
+
+def dataflow_graph(graph: fx.Graph) -> nx.DiGraph:
+    """A ``networkx`` view of ``graph``, keyed by node name, an edge from each input to its user.
+
+    It is the passes' own view (``dsa_dcp.passes.dataflow.to_networkx``, which the remap-sharing
+    pass analyses too) when that module is present; otherwise the same edges built here.
+    """
+    try:
+        from dsa_dcp.passes.dataflow import to_networkx
+    except ImportError:
+        to_networkx = None
+    if to_networkx is not None:
+        return to_networkx(graph)
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        g.add_node(node.name)
+        for inp in node.all_input_nodes:
+            g.add_edge(inp.name, node.name)
+    return g
+
+
+class _ShapeProp(fx.Interpreter):
+    """Runs the graph on fake tensors and keeps the input metadata of each collective."""
+
+    def __init__(self, gm: fx.GraphModule, wanted: set[fx.Node]):
+        super().__init__(gm, garbage_collect_values=True)
+        self.wanted = wanted
+        self.inputs: dict[fx.Node, tuple[list[int], torch.dtype, int]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n in self.wanted:
+            # a fused merge sends (out, lse): its first two arguments; a collective its first
+            args = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args[: 2 if n.target is FUSED_MERGE else 1]]
+            tensors = [x for x in args if isinstance(x, torch.Tensor)]
+            if tensors:
+                self.inputs[n] = (list(tensors[0].shape), tensors[0].dtype,
+                                  sum(x.numel() * x.element_size() for x in tensors))
+        return super().run_node(n)
+
+
+def _fake_inputs(mode: FakeTensorMode, example_inputs: Sequence[Any]) -> list[Any]:
+    return [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+
+def collective_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], nodes: set[fx.Node]) -> dict:
+    """``{collective node: (input shape, dtype, input bytes)}`` from one fake run of ``gm``."""
+    if not nodes:
+        return {}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with torch._guards.tracing(None), mode, torch.no_grad():
+        prop = _ShapeProp(gm, nodes)
+        prop.run(*_fake_inputs(mode, example_inputs))
+    return prop.inputs
+
+
+def _group_size(node: fx.Node, dcp_size: int) -> int:
+    name = node.target._opname  # type: ignore[union-attr]
+    if name == "all_gather_into_tensor" or name == "reduce_scatter_tensor":
+        size = node.args[2] if name == "reduce_scatter_tensor" else node.args[1]
+        if isinstance(size, int):
+            return size
+    return dcp_size
+
+
+def analyze(gm: fx.GraphModule, example_inputs: Sequence[Any], dcp_size: int, merge_mode: str | None) -> GraphAnalysis:
+    """Per-layer dataflow and collective bytes of ``gm`` (see module docstring)."""
+    graph = gm.graph
+    view = dataflow_graph(graph)
+    attns = [n for n in graph.nodes if n.op == "call_function" and n.target in SPARSE_ATTENTION_OPS]
+    index = {a: i for i, a in enumerate(attns)}
+
+    # Each node belongs to the latest attention node it depends on (None: before the first).
+    by_name = {n.name: n for n in graph.nodes}
+    latest: dict[str, int | None] = {}
+    for name in nx.topological_sort(view):
+        preds = [latest[p] for p in view.predecessors(name) if latest.get(p) is not None]
+        node = by_name[name]
+        latest[name] = index[node] if node in index else (max(preds) if preds else None)
+    owner = {by_name[name]: i for name, i in latest.items()}
+
+    sources: dict[fx.Node, TopkSource] = {}
+    remaps: dict[fx.Node, RemapGroup] = {}
+    layers = []
+    for i, attn in enumerate(attns):
+        topk = attn.args[3]
+        remap = None
+        if isinstance(topk, fx.Node) and topk.target is operator.getitem and isinstance(topk.args[0], fx.Node) \
+                and topk.args[0].target is TOPK_REMAP:
+            remap = topk.args[0]
+            topk = remap.args[0]
+        base = alias_base(topk) if isinstance(topk, fx.Node) else topk
+        src = sources.setdefault(base, TopkSource(id=base.name, first_layer=i, layers=[]))
+        src.layers.append(i)
+        if remap is not None:
+            remaps.setdefault(remap, RemapGroup(node=remap.name, topk_source=src.id, layers=[])).layers.append(i)
+        layers.append(LayerFlow(layer=i, node=attn.name, op=getattr(attn.target, "__name__", str(attn.target)),
+                                topk_source=src.id, remap=remap.name if remap is not None else None,
+                                merge=None, collectives=[]))
+
+    coll_nodes = [n for n in graph.nodes if is_collective(n) or (FUSED_MERGE is not None and n.target is FUSED_MERGE)]
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in MERGE_TARGETS and owner.get(node) is not None:
+            flow = layers[owner[node]]
+            flow.merge = flow.merge or node.name
+
+    shapes, shapes_known, note = {}, True, ""
+    try:
+        shapes = collective_inputs(gm, example_inputs, set(coll_nodes))
+    except Exception as e:  # noqa: BLE001 - the report says what it could not compute
+        shapes_known, note = False, f"collective shapes unknown: fake run failed ({type(e).__name__}: {e})"
+    collectives = []
+    for node in coll_nodes:
+        op = node.target._opname  # type: ignore[union-attr]
+        shape, dtype, nbytes = shapes.get(node, ([], None, 0))
+        n = _group_size(node, dcp_size)
+        layer = owner.get(node)
+        collectives.append(Collective(
+            node=node.name, op=op, layer=layer, input_shape=shape,
+            dtype=str(dtype).replace("torch.", "") if dtype is not None else "unknown",
+            input_bytes=nbytes, sent_bytes_per_rank=SENT_BYTES.get(op, lambda b, n: b)(nbytes, n),
+        ))
+        if layer is not None:
+            layers[layer].collectives.append(node.name)
+    return GraphAnalysis(layers=layers, sources=list(sources.values()), remaps=list(remaps.values()),
+                         collectives=collectives, dcp_size=dcp_size, merge=merge_mode if dcp_size > 1 else None,
+                         shapes_known=shapes_known, note=note, process_group=process_group_note(dcp_size))
