@@ -9,17 +9,23 @@ are placeholders, the ``dsa_dcp`` ops are single nodes, in-place KV writes are v
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch._logging import trace_structured
 
 from dsa_dcp.config import DCPOptions, OptionsError
+from dsa_dcp.inspect import registry
 from dsa_dcp.lowering import lower
 from dsa_dcp.passes import build_pipeline
 from dsa_dcp.passes.base import CompileContext, PassResult
 from dsa_dcp.passes.graph import graph_summary
+from dsa_dcp.validate import DCPValidationError, validate
+
+log = logging.getLogger("dsa_dcp.backend")
 
 
 @dataclasses.dataclass
@@ -32,6 +38,14 @@ class CompileReport:
     passes: list[PassResult]
     graph_after: str = ""
     summary: dict[str, int] = dataclasses.field(default_factory=dict)
+    lowered: Callable | None = None  # what runs each step (a CudaGraphStep on CUDA)
+    # per-layer dataflow and collective bytes of the final graph (dsa_dcp.inspect.analysis)
+    analysis: Any = None
+
+    def kernels_per_step(self) -> dict | None:
+        """CUDA kernels replayed per step, per captured input shape (``None`` without CUDA graphs)."""
+        step = self.lowered
+        return step.kernels_per_step() if hasattr(step, "kernels_per_step") else None
 
     def stats(self) -> dict[str, dict[str, Any]]:
         return {p.name: p.stats for p in self.passes}
@@ -45,12 +59,12 @@ def last_report() -> CompileReport | None:
     return _reports[-1] if _reports else None
 
 
-def compile_context(options: DCPOptions) -> CompileContext:
-    """Resolve this rank and its group; check the group matches ``dcp_size``."""
+def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
+    """Resolve this rank and its group; the problems found (the group's size must be ``dcp_size``)."""
     if options.dcp_size == 1:
-        return CompileContext(options=options, rank=0, group_name=None)
+        return CompileContext(options=options, rank=0, group_name=None), []
     if options.rank is not None and not dist.is_initialized():
-        return CompileContext(options=options, rank=options.rank, group_name=None)
+        return CompileContext(options=options, rank=options.rank, group_name=None), []
     if not dist.is_initialized():
         raise OptionsError(
             f"dcp_size={options.dcp_size} needs an initialized torch.distributed process group "
@@ -62,24 +76,49 @@ def compile_context(options: DCPOptions) -> CompileContext:
 
         group = _resolve_process_group(group)
     group = group or dist.group.WORLD
+    problems = []
     size = dist.get_world_size(group)
     if size != options.dcp_size:
-        raise OptionsError(f"dcp_size={options.dcp_size} but the DCP process group has {size} ranks; they must be equal")
+        problems.append(f"dcp_size={options.dcp_size} but the DCP process group has {size} ranks; they must be equal")
     rank = dist.get_rank(group)
     if options.rank is not None and options.rank != rank:
-        raise OptionsError(f"option rank={options.rank} but this process is rank {rank} of the DCP group")
-    return CompileContext(options=options, rank=rank, group_name=group.group_name)
+        problems.append(f"option rank={options.rank} but this process is rank {rank} of the DCP group")
+    return CompileContext(options=options, rank=rank, group_name=group.group_name), problems
 
 
 def dsa_dcp_backend(
     gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: dict[str, Any] | None = None
 ) -> Callable:
     opts = DCPOptions.parse(options)
-    ctx = dataclasses.replace(compile_context(opts), example_inputs=tuple(example_inputs))
+    ctx, problems = compile_context(opts)
+    ctx = dataclasses.replace(ctx, example_inputs=tuple(example_inputs))
+    pipeline = build_pipeline(ctx)
+    problems += validate(gm, ctx, pipeline)  # every problem at once, before anything is rewritten
+    if problems:
+        raise DCPValidationError(problems)
     report = CompileReport(options=opts, rank=ctx.rank, graph_before=gm.code, passes=[])
-    for graph_pass in build_pipeline(ctx):
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": "dsa_dcp_input_graph", "encoding": "string"},
+        payload_fn=lambda: gm.print_readable(print_output=False),
+    )
+    for graph_pass in pipeline:
         report.passes.append(graph_pass(gm, ctx))
     report.graph_after = gm.code
     report.summary = graph_summary(gm.graph)
+    report.analysis = _analyze(gm, example_inputs, opts)
     _reports.append(report)
-    return lower(gm, example_inputs, opts)
+    registry.record(report, example_inputs)  # so dsa_dcp.inspect(compiled) finds it
+    report.lowered = lower(gm, example_inputs, opts)
+    return report.lowered
+
+
+def _analyze(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DCPOptions) -> Any:
+    """The inspection tool's view of the final graph; a failure here never fails a compilation."""
+    from dsa_dcp.inspect.analysis import analyze
+
+    try:
+        return analyze(gm, example_inputs, opts.dcp_size, opts.merge)
+    except Exception as e:  # noqa: BLE001
+        log.warning("dsa_dcp: graph analysis for inspection failed: %s: %s", type(e).__name__, e)
+        return None

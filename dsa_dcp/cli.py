@@ -1,8 +1,9 @@
-"""``dsa-dcp``: demo (and, as they land, inspect and bench)."""
+"""``dsa-dcp``: demo, inspect and bench."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from dsa_dcp.config import MERGE_MODES
@@ -19,6 +20,44 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _bench_step(args: argparse.Namespace) -> int:
+    from dsa_dcp.bench.step import main as bench_step
+
+    return bench_step(args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from dsa_dcp.inspect import inspect_target
+
+    inspection = inspect_target(args.target, dcp_size=args.dcp, merge=args.merge, interleave=args.interleave,
+                                kv_dtype=args.kv_dtype, slots=args.slots, gpu_mem_gib=args.gpu_mem, rows=args.rows)
+    out = args.out or ("dsa-dcp-inspect" if args.format == "html" else None)
+    paths = inspection.write(out) if out else {}
+    if args.format == "json":
+        print(inspection.to_json())
+    elif args.format == "html":
+        print(paths["html"])
+    else:
+        print(inspection.to_text())
+    if paths and args.format != "json":
+        print(f"\nwrote {', '.join(v for k, v in sorted(paths.items()) if not k.startswith('graph_'))} "
+              f"and {sum(k.startswith('graph_') for k in paths)} graphs under {os.path.join(out, 'graphs')}",
+              file=sys.stderr if args.format == "html" else sys.stdout)
+    return 0
+
+
+def _bench_merge(args: argparse.Namespace) -> int:
+    from dsa_dcp.bench.merge import main as bench_merge
+
+    return bench_merge(args)
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    from dsa_dcp.bench.kernels import main as bench_kernels
+
+    return bench_kernels(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsa-dcp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -32,6 +71,42 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--rows", type=int, default=16, help="rows per engine step (padded)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="measure speed on this machine's GPU")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    step = bench_sub.add_parser("step", help="decode-step latency: eager vs compiled vs CUDA graphs (dcp_size 1)")
+    step.add_argument("--layers", type=int, default=8)
+    step.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    step.add_argument("--context", type=int, default=4096, help="cached tokens per request")
+    step.add_argument("--json", help="also write the rows to this file")
+    step.set_defaults(func=_bench_step)
+    merge = bench_sub.add_parser("merge", help="fused a2a merge vs pack + exchange + combine (N ranks emulated on one GPU)")
+    merge.add_argument("--dcp", type=int, nargs="+", default=[2, 4, 8])
+    merge.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    merge.add_argument("--heads", type=int, default=64, help="attention heads H (each rank combines H/N)")
+    merge.add_argument("--json", help="also write the rows to this file")
+    merge.set_defaults(func=_bench_merge)
+    kernels = bench_sub.add_parser("kernels", help="remap, combine and sparse MLA against torch eager and FlashInfer")
+    kernels.add_argument("--json", help="also write the rows to this file")
+    kernels.set_defaults(func=_bench_kernels)
+    insp = sub.add_parser("inspect", help="show what the compiler does to a model: passes, collectives, memory, dataflow",
+                          description="Compile TARGET for rank 0 of an N-rank DCP group in this process (a fake "
+                                      "process group stands in for the other ranks) and report what the passes did.")
+    insp.add_argument("target", metavar="TARGET",
+                      help="a built-in config (deepseek-v3.2, glm5, glm5.2, glm5.3, each also -tiny) or module:factory "
+                           "returning (model, example_inputs)")
+    insp.add_argument("--dcp", type=int, default=2, help="DCP group size N (compiled for rank 0)")
+    insp.add_argument("--merge", choices=MERGE_MODES, default="a2a")
+    insp.add_argument("--interleave", type=int, default=1)
+    insp.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV dtype of the memory plan")
+    insp.add_argument("--format", choices=("text", "json", "html"), default="text")
+    insp.add_argument("--out", help="write report.{txt,json,html}, dataflow.{svg,png} and graphs/*.py here "
+                                    "(html default: ./dsa-dcp-inspect)")
+    mem = insp.add_mutually_exclusive_group()
+    mem.add_argument("--slots", type=int, help="memory plan: bytes per rank for this many KV slots")
+    mem.add_argument("--gpu-mem", type=float, metavar="GiB", help="memory plan: tokens that fit in this much cache memory per rank")
+    insp.add_argument("--rows", type=int, default=4, help="decode rows of the example step (built-in configs)")
+    insp.set_defaults(func=_inspect)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 from typing import Any
 
-MERGE_MODES = ("ag", "a2a", "ag_rs")
+MERGE_MODES = ("ag", "a2a", "ag_rs", "fused_a2a")
 LOWERINGS = ("fx", "inductor")
 
 
@@ -27,6 +27,16 @@ class DCPOptions:
     interleave:   consecutive slots kept together on one rank (slot ``s`` lives on ``(s // I) % N``).
     lowering:     ``"fx"`` runs the rewritten FX graph as Python code; ``"inductor"`` hands it to
                   Inductor (AOT autograd + codegen) with the custom ops as fallback kernels.
+    share_remaps: layers that read the same top-k share one ``topk_remap`` (the ``share_remaps``
+                  pass); ``False`` keeps one remap per attention layer.
+    cuda_graphs:  replay the step from CUDA graphs: ``None`` = when the step runs on CUDA; ``True``
+                  on a CPU step is an error.
+    batch_sizes:  row buckets: an engine pads a step's rows up to one of these (one CUDA graph
+                  each); a step with more rows than the largest runs uncaptured.
+    page_size:    the KV pool's page size, when known: ``interleave`` must divide it.
+    allow_multi_host: compile a DCP group whose ranks are on several hosts (refused by default).
+    debug_checks: check at run time that top-k slots are in range and that every rank computed the
+                  same top-k (one checksum all-gather per attention layer; off by default).
     """
 
     dcp_size: int = 1
@@ -35,6 +45,12 @@ class DCPOptions:
     merge: str = "a2a"
     interleave: int = 1
     lowering: str = "fx"
+    share_remaps: bool = True
+    cuda_graphs: bool | None = None
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    page_size: int | None = None
+    allow_multi_host: bool = False
+    debug_checks: bool = False
 
     @classmethod
     def parse(cls, options: dict[str, Any] | DCPOptions | None) -> DCPOptions:
@@ -46,6 +62,8 @@ class DCPOptions:
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise OptionsError(f"unknown dsa_dcp option(s) {unknown}; valid options are {valid}")
+        if isinstance(options.get("batch_sizes"), list):
+            options["batch_sizes"] = tuple(options["batch_sizes"])
         opts = cls(**options)
         problems = opts.problems()
         if problems:
@@ -66,6 +84,22 @@ class DCPOptions:
             p.append(f"merge must be one of {list(MERGE_MODES)}, got {self.merge!r}")
         if self.lowering not in LOWERINGS:
             p.append(f"lowering must be one of {list(LOWERINGS)}, got {self.lowering!r}")
+        for flag in ("allow_multi_host", "debug_checks"):
+            if not isinstance(getattr(self, flag), bool):
+                p.append(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.page_size is not None and not positive_int(self.page_size):
+            p.append(f"page_size must be None or an integer >= 1, got {self.page_size!r}")
+        if self.cuda_graphs not in (None, True, False):
+            p.append(f"cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
+        if not (
+            isinstance(self.batch_sizes, tuple)
+            and self.batch_sizes
+            and all(positive_int(b) for b in self.batch_sizes)
+            and list(self.batch_sizes) == sorted(set(self.batch_sizes))
+        ):
+            p.append(f"batch_sizes must be a non-empty increasing list of integers >= 1, got {self.batch_sizes!r}")
+        if not isinstance(self.share_remaps, bool):
+            p.append(f"share_remaps must be True or False, got {self.share_remaps!r}")
         if self.rank is not None and not (
             isinstance(self.rank, int) and isinstance(self.dcp_size, int) and 0 <= self.rank < self.dcp_size
         ):

@@ -4,7 +4,7 @@ Every rank builds the same tiny model from one seed: once as written (single ran
 KV cache) and once with a KV cache of ``ceil(S/N)`` rows compiled with ``backend="dsa_dcp"``.
 Both generate greedily over the same batch of requests (different lengths, extend and decode rows
 mixed); rank 0 reports whether every token matches, the largest logit difference, KV bytes per
-token per rank, and what the compiled step does (remaps, merges, collectives).
+token per rank, and what the compiled step does (remaps, before and after sharing, merges, collectives).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class DemoResult:
     compile_s: float
     steps_run: int
     tokens: list
+    remaps_before_sharing: int | None = None  # topk_remap nodes before share_remaps (None: pass not run)
 
 
 def _demo_rank(rank: int, world: int, spec: DemoSpec) -> DemoResult:
@@ -77,6 +78,7 @@ def _demo_rank(rank: int, world: int, spec: DemoSpec) -> DemoResult:
         compile_s=compile_s,
         steps_run=len(out.step_logits),
         tokens=out.tokens,
+        remaps_before_sharing=report.stats().get("share_remaps", {}).get("remaps_before") if report else None,
     )
 
 
@@ -99,8 +101,10 @@ def format_demo(results: list[DemoResult]) -> str:
     ]
     sm = r0.summary
     if sm:
+        before = r0.remaps_before_sharing
+        shared = f" ({before} before sharing)" if before is not None else ""
         lines += [
-            f"  per step: {sm['sparse_attention_nodes']} sparse attention nodes, {sm['remaps']} remaps, "
+            f"  per step: {sm['sparse_attention_nodes']} sparse attention nodes, {sm['remaps']} remaps{shared}, "
             f"{sm['merges']} merges, {sm['collectives']} collectives, {sm['kv_writes']} KV writes",
         ]
     lines.append(f"  compile + generate          {r0.compile_s:.1f} s")

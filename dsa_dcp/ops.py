@@ -114,7 +114,9 @@ def sparse_mla(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale:
 def _sparse_mla_cuda(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
     from dsa_dcp.kernels import flashinfer_mla
 
-    if flashinfer_mla.available() and flashinfer_mla.supports(q_nope, q_pe, kv):
+    # FlashInfer plans on the host: not inside a CUDA-graph capture.
+    capturing = torch.cuda.is_current_stream_capturing()
+    if not capturing and flashinfer_mla.available() and flashinfer_mla.supports(q_nope, q_pe, kv):
         return flashinfer_mla.sparse_mla_flashinfer(q_nope, q_pe, kv, topk, sm_scale)
     return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale)
 
@@ -177,6 +179,48 @@ def _lse_combine_fake(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     if out.dim() != 4 or lse.shape != out.shape[:3]:
         raise ValueError(f"lse_combine: want out [N, B, H, D] and lse [N, B, H]; got {tuple(out.shape)}, {tuple(lse.shape)}")
     return out.new_empty(out.shape[1:]), lse.new_empty(lse.shape[1:], dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- fused_a2a_merge
+
+
+def _composed_a2a_merge(out: Tensor, lse: Tensor, dcp_size: int, group_name: str) -> tuple[Tensor, Tensor]:
+    from dsa_dcp import merge
+
+    c10d = torch.ops._c10d_functional
+    packed = merge.pack_head_groups(out, lse, dcp_size)
+    split = [1] * dcp_size
+    received = c10d.wait_tensor(c10d.all_to_all_single(packed, split, split, group_name))
+    parts_out, parts_lse = merge.unpack_head_groups(received, out.shape[-1])
+    return torch.ops.dsa_dcp.lse_combine(parts_out, parts_lse)
+
+
+@torch.library.custom_op("dsa_dcp::fused_a2a_merge", mutates_args=())
+def fused_a2a_merge(out: Tensor, lse: Tensor, dcp_size: int, rank: int, group_name: str) -> tuple[Tensor, Tensor]:
+    """``a2a`` merge as one node: head group ``rank`` of every rank's ``(out, lse)``, LSE-combined.
+
+    The default implementation is the composed reference (pack, all-to-all, combine) over the
+    group, so it runs on gloo; on CUDA one fused kernel does it when the group has a workspace.
+    """
+    return _composed_a2a_merge(out, lse, dcp_size, group_name)
+
+
+@fused_a2a_merge.register_kernel("cuda")
+def _fused_a2a_merge_cuda(out: Tensor, lse: Tensor, dcp_size: int, rank: int, group_name: str) -> tuple[Tensor, Tensor]:
+    from dsa_dcp.kernels import fused_merge
+
+    ws = fused_merge.workspace_for(group_name, out, dcp_size, rank)
+    if ws is None:
+        return _composed_a2a_merge(out, lse, dcp_size, group_name)
+    return fused_merge.fused_a2a_merge_triton(out, lse.float(), ws)
+
+
+@fused_a2a_merge.register_fake
+def _fused_a2a_merge_fake(out: Tensor, lse: Tensor, dcp_size: int, rank: int, group_name: str) -> tuple[Tensor, Tensor]:
+    b, h, d = out.shape
+    if h % dcp_size:
+        raise ValueError(f"fused_a2a_merge: {h} heads are not divisible by dcp_size={dcp_size}")
+    return out.new_empty((b, h // dcp_size, d)), lse.new_empty((b, h // dcp_size), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------- normalization

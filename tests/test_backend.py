@@ -22,7 +22,7 @@ def test_backend_is_registered_as_entry_point():
     "options, message",
     [
         ({"dcp": 2}, r"unknown dsa_dcp option\(s\) \['dcp'\]; valid options are \['dcp_size'"),
-        ({"merge": "allgather"}, r"merge must be one of \['ag', 'a2a', 'ag_rs'\], got 'allgather'"),
+        ({"merge": "allgather"}, r"merge must be one of \['ag', 'a2a', 'ag_rs', 'fused_a2a'\], got 'allgather'"),
         ({"dcp_size": 0}, r"dcp_size must be an integer >= 1, got 0"),
         ({"dcp_size": True}, r"dcp_size must be an integer >= 1, got True"),
         ({"interleave": 2.0}, r"interleave must be an integer >= 1, got 2.0"),

@@ -60,12 +60,12 @@ def _relative_error(a, b):
 
 
 CASES = [
-    ("glm5.2-tiny", 2, ("ag", "a2a", "ag_rs"), 1),
-    ("deepseek-v3.2-tiny", 2, ("ag", "a2a", "ag_rs"), 1),
+    ("glm5.2-tiny", 2, ("ag", "a2a", "ag_rs", "fused_a2a"), 1),
+    ("deepseek-v3.2-tiny", 2, ("ag", "a2a", "ag_rs", "fused_a2a"), 1),
     ("glm5.2-tiny", 3, ("ag", "a2a"), 1),  # 4 heads: a2a cannot shard them over 3 ranks
     ("deepseek-v3.2-tiny", 3, ("ag",), 2),
-    ("glm5.2-tiny", 4, ("ag", "a2a", "ag_rs"), 1),
-    ("deepseek-v3.2-tiny", 4, ("a2a", "ag_rs"), 2),
+    ("glm5.2-tiny", 4, ("ag", "a2a", "ag_rs", "fused_a2a"), 1),
+    ("deepseek-v3.2-tiny", 4, ("a2a", "ag_rs", "fused_a2a"), 2),
 ]
 
 
@@ -88,12 +88,16 @@ def test_dcp_matches_single_rank(family, world, merges, interleave):
                 assert _relative_error(a, b) < 1e-5, (merge, rank)
             s = got["summary"]
             assert s["sparse_attention_nodes"] == cfg.n_layers
-            assert s["remaps"] == cfg.n_layers
+            assert s["remaps"] == len(cfg.indexer_layers)  # one per top-k: share_remaps is on by default
             assert s["merges"] == cfg.n_layers
             # ag: 1 gather per layer; a2a: 1 all-to-all + 1 all-reduce; ag_rs: gather, reduce-scatter, all-reduce
-            per_layer = {"ag": 1, "a2a": 2, "ag_rs": 3}[merge]
+            # fused_a2a: the exchange lives inside the one fused merge node, + the all-reduce
+            per_layer = {"ag": 1, "a2a": 2, "ag_rs": 3, "fused_a2a": 2}[merge]
             assert s["collectives"] == per_layer * cfg.n_layers
         _check_caches_are_split(cfg, batch, ref_caches, [r[merge]["caches"] for r in ranks], world, interleave)
+    if "fused_a2a" in merges and "a2a" in merges:  # the fused node runs the composed a2a on CPU: same bits
+        for res in ranks:
+            assert all(torch.equal(a, b) for a, b in zip(res["fused_a2a"]["logits"], res["a2a"]["logits"]))
 
 
 def _check_caches_are_split(cfg, batch, ref_caches, rank_caches, world, interleave):
@@ -147,4 +151,4 @@ def test_misconfigurations_fail_at_compile_time_with_clear_errors():
     assert "was not allocated by dsa_dcp.allocate_kv_cache" in errors["unknown_layout"]
     assert "allocated for dcp_size=2, interleave=1" in errors["interleave"]
     assert "but compiled for dcp_size=2, interleave=2" in errors["interleave"]
-    assert "merge must be one of ['ag', 'a2a', 'ag_rs'], got 'ring'" in errors["unknown_merge"]
+    assert "merge must be one of ['ag', 'a2a', 'ag_rs', 'fused_a2a'], got 'ring'" in errors["unknown_merge"]

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from dsa_dcp.passes.base import CompileContext, DCPPass
 from dsa_dcp.passes.dcp_rewrite import DCPRewrite
+from dsa_dcp.passes.fuse_merge import FuseMergeA2A
 from dsa_dcp.passes.kv_writes import LocalizeKVWrites
+from dsa_dcp.passes.share_remaps import ShareRemaps
 
 
 def build_pipeline(ctx: CompileContext) -> list[DCPPass]:
     """The ordered passes for these options (none when ``dcp_size == 1``: the graph is kept)."""
     if ctx.dcp_size == 1:
         return []
-    return [LocalizeKVWrites(), DCPRewrite()]
+    passes: list[DCPPass] = [LocalizeKVWrites(), DCPRewrite()]
+    if ctx.options.share_remaps:
+        passes.append(ShareRemaps())
+    if ctx.options.merge == "fused_a2a":
+        passes.append(FuseMergeA2A())
+    return passes

@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 import torch.fx as fx
+from torch._logging import trace_structured
 
 from dsa_dcp.config import DCPOptions
 
@@ -75,6 +76,15 @@ class DCPPass:
         result.nodes_added = sorted(after_nodes - before_nodes)
         result.nodes_removed = sorted(before_nodes - after_nodes)
         log.debug("%s: %s", self.name, result.stats)
+
+        def trace_payload() -> str:  # one artifact per pass in TORCH_TRACE / tlparse
+            head = [f"# pass {result.name}: {result.stats}",
+                    f"# nodes added: {len(result.nodes_added)}, removed: {len(result.nodes_removed)}"]
+            head += [f"# + {n}" for n in result.nodes_added] + [f"# - {n}" for n in result.nodes_removed]
+            return "\n".join(head) + "\n" + gm.print_readable(print_output=False)
+
+        trace_structured("artifact", payload_fn=trace_payload,
+                         metadata_fn=lambda: {"name": f"dsa_dcp_pass_{self.name}", "encoding": "string"})
         return result
 
 

@@ -26,13 +26,15 @@ import torch.fx as fx
 from dsa_dcp import merge
 from dsa_dcp.passes.base import CompileContext, DCPPass
 from dsa_dcp.passes.errors import DCPRewriteError, where
-from dsa_dcp.passes.graph import getitem_users, is_collective, sparse_attention_nodes
+from dsa_dcp.debug_checks import check_topk
+from dsa_dcp.kv_cache import kv_layout
+from dsa_dcp.passes.graph import alias_base, getitem_users, is_collective, placeholder_values, sparse_attention_nodes
 from dsa_dcp.passes.head_shard import HeadEpilogue
 
 C10D = torch.ops._c10d_functional
 TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
 LSE_COMBINE = torch.ops.dsa_dcp.lse_combine.default
-HEAD_SHARDED_MERGES = ("a2a", "ag_rs")
+HEAD_SHARDED_MERGES = ("a2a", "fused_a2a", "ag_rs")
 
 
 def _heads_and_dim(attn: fx.Node) -> tuple[int, int]:
@@ -45,14 +47,24 @@ def _heads_and_dim(attn: fx.Node) -> tuple[int, int]:
 class DCPRewrite(DCPPass):
     name = "dcp_rewrite"
 
+    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
+        """Every reason the attention nodes cannot be rewritten for these options."""
+        problems = [p for attn in sparse_attention_nodes(gm.graph) for p in self._plan(attn, ctx)[1]]
+        if ctx.group_name is None:
+            problems.append("dcp_size > 1 needs a process group to merge over")
+        return problems
+
     def run(self, gm: fx.GraphModule, ctx: CompileContext) -> dict:
         opts = ctx.options
         attns = sparse_attention_nodes(gm.graph)
-        plans = [self._plan(attn, ctx) for attn in attns]  # validate everything first
-        if ctx.group_name is None:
-            raise DCPRewriteError("dcp_size > 1 needs a process group to merge over")
+        problems = self.check(gm, ctx)  # everything is validated before anything is rewritten
+        if problems:
+            raise DCPRewriteError("\n".join(problems))
         collectives = 0
-        for attn, epilogue in plans:
+        for layer, attn in enumerate(attns):
+            epilogue, _ = self._plan(attn, ctx)
+            if opts.debug_checks:
+                self._insert_topk_check(gm, ctx, attn, layer)
             collectives += self._rewrite(gm, ctx, attn, epilogue)
         return {
             "sparse_attention_nodes": len(attns),
@@ -61,32 +73,43 @@ class DCPRewrite(DCPPass):
             "collectives_inserted": collectives,
         }
 
-    def _plan(self, attn: fx.Node, ctx: CompileContext) -> tuple[fx.Node, HeadEpilogue | None]:
+    def _plan(self, attn: fx.Node, ctx: CompileContext) -> tuple[HeadEpilogue | None, list[str]]:
+        """The epilogue to shard by heads (head-sharded merges), and the problems found."""
         n, merge_mode = ctx.dcp_size, ctx.options.merge
         if merge_mode not in HEAD_SHARDED_MERGES:
-            return attn, None
+            return None, []
         heads, _ = _heads_and_dim(attn)
         if heads % n:
-            raise DCPRewriteError(
+            return None, [
                 f"merge={merge_mode!r} shards heads over the group, but {attn.name} has {heads} heads, "
                 f"not divisible by dcp_size={n}; use merge='ag' or a dcp_size that divides {heads}{where(attn)}"
-            )
+            ]
         items = dict(getitem_users(attn))
         if len(items) != len(attn.users):
-            raise DCPRewriteError(f"{attn.name}'s result is used whole; expected (out, lse) = attn(...){where(attn)}")
+            return None, [f"{attn.name}'s result is used whole; expected (out, lse) = attn(...){where(attn)}"]
         if 1 in items and items[1].users:
-            raise DCPRewriteError(
+            return None, [
                 f"merge={merge_mode!r} leaves each rank the LSE of its own heads only, but the model uses the LSE "
                 f"of {attn.name}; use merge='ag'{where(attn)}"
-            )
+            ]
         epilogue = HeadEpilogue.match(items[0]) if 0 in items else None
         if epilogue is None:
-            raise DCPRewriteError(
+            return None, [
                 f"merge={merge_mode!r} needs {attn.name}'s output to feed a per-head up-projection and the output "
                 f"projection (einsum('thc,hcv->thv', out, w_uv).flatten(1) -> linear(., w_o)), so both can be "
                 f"sharded by heads; this graph does something else with it. Use merge='ag'{where(attn)}"
-            )
-        return attn, epilogue
+            ]
+        return epilogue, []
+
+    @staticmethod
+    def _insert_topk_check(gm: fx.GraphModule, ctx: CompileContext, attn: fx.Node, layer: int) -> None:
+        """``debug_checks``: a side-effect node before the remap (its result is unused, so remap
+        sharing sees the same top-k)."""
+        cache = placeholder_values(gm, ctx.example_inputs).get(alias_base(attn.args[2]))
+        layout = kv_layout(cache) if isinstance(cache, torch.Tensor) else None
+        num_slots = layout.num_slots if layout is not None else ctx.dcp_size * cache.shape[0]
+        with gm.graph.inserting_before(attn):
+            gm.graph.call_function(check_topk, (attn.args[3], num_slots, layer, ctx.dcp_size, ctx.group_name))
 
     def _rewrite(self, gm: fx.GraphModule, ctx: CompileContext, attn: fx.Node, epilogue: HeadEpilogue | None) -> int:
         graph, n, rank, group = gm.graph, ctx.dcp_size, ctx.rank, ctx.group_name
@@ -117,7 +140,7 @@ class DCPRewrite(DCPPass):
                 recv = collective(C10D.all_gather_into_tensor.default, packed, n, group)
                 parts = call(merge.unpack_head_groups, recv, head_dim)
                 combined = call(LSE_COMBINE, call(operator.getitem, parts, 0), call(operator.getitem, parts, 1))
-            elif mode == "a2a":
+            elif mode in ("a2a", "fused_a2a"):  # fuse_merge turns the a2a chain into one node
                 packed = call(merge.pack_head_groups, out_r, lse_r, n)
                 recv = collective(C10D.all_to_all_single.default, packed, [1] * n, [1] * n, group)
                 parts = call(merge.unpack_head_groups, recv, head_dim)

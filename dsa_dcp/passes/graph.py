@@ -90,6 +90,9 @@ def graph_summary(graph: fx.Graph) -> dict[str, int]:
             counts["remaps"] += 1
         elif node.target in (torch.ops.dsa_dcp.lse_combine.default, merge.finish_reduce_scatter):
             counts["merges"] += 1
+        elif node.target is torch.ops.dsa_dcp.fused_a2a_merge.default:  # a merge with its exchange inside
+            counts["merges"] += 1
+            counts["collectives"] += 1
         elif node.target is torch.ops.dsa_dcp.kv_store.default:
             counts["kv_writes"] += 1
         elif is_collective(node):

@@ -42,32 +42,54 @@ def _write_slots_and_rows(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
+# KV dtypes the contract accepts: bf16/fp16 for serving, fp32 as the exact reference dtype.
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kv_caches_read_by_attention(gm: fx.GraphModule) -> tuple[dict[fx.Node, fx.Node], list[str]]:
+    """Each KV cache (placeholder) a sparse attention node reads -> that node; problems found."""
+    caches, problems = {}, []
+    for attn in sparse_attention_nodes(gm.graph):
+        base = alias_base(attn.args[2])
+        if base.op != "placeholder":
+            problems.append(f"the KV cache of {attn.name} is computed in the graph ({base.name}); it must be a "
+                            f"model buffer or input{where(attn)}")
+            continue
+        caches[base] = attn
+    return caches, problems
+
+
 class LocalizeKVWrites(DCPPass):
     name = "localize_kv_writes"
 
-    def run(self, gm: fx.GraphModule, ctx: CompileContext) -> dict:
-        n, rank, interleave = ctx.dcp_size, ctx.rank, ctx.options.interleave
+    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
+        """Every reason this graph's KV caches cannot be localized (empty when it can)."""
+        caches, problems = kv_caches_read_by_attention(gm)
         inputs = placeholder_values(gm, ctx.example_inputs)
-        caches = {}
-        for attn in sparse_attention_nodes(gm.graph):
-            base = alias_base(attn.args[2])
-            if base.op != "placeholder":
-                raise DCPRewriteError(f"the KV cache of {attn.name} is computed in the graph ({base.name}); "
-                                      f"it must be a model buffer or input{where(attn)}")
-            caches[base] = attn
         for base in caches:
-            self._check_layout(base, inputs.get(base), n, interleave)
+            problems += _layout_problems(base, inputs.get(base), ctx.dcp_size, ctx.options.interleave)
+            for user in base.users:
+                if not _is_attention_read(user, base) and not _is_localizable_write(user, base):
+                    problems.append(
+                        f"KV cache {base.name} is used by {user.format_node()}, which the DCP rewrite cannot localize "
+                        f"(a KV cache may only be read by sparse attention and written by kv_store, index_put_, "
+                        f"index_copy_ or cache[slots] = rows, on the cache itself, not a view){where(user)}"
+                    )
+        return problems
 
+    def run(self, gm: fx.GraphModule, ctx: CompileContext) -> dict:
+        problems = self.check(gm, ctx)
+        if problems:
+            raise DCPRewriteError("\n".join(problems))
+        n, rank, interleave = ctx.dcp_size, ctx.rank, ctx.options.interleave
+        caches, _ = kv_caches_read_by_attention(gm)
         localized = 0
         graph = gm.graph
         for base in caches:
             for user in list(base.users):
-                if user.op == "call_function" and user.target in SPARSE_ATTENTION_OPS and user.args[2] is base:
+                if _is_attention_read(user, base):
                     continue
-                write = _write_slots_and_rows(user)
-                if write is None or user.args[0] is not base or base in write:
-                    self._refuse(user, base)
-                slots, rows = write
+                slots, rows = _write_slots_and_rows(user)
                 with graph.inserting_before(user):
                     local = graph.call_function(localize_slots, (slots, n, rank, interleave))
                     graph.call_function(KV_STORE, (base, local, rows))
@@ -76,31 +98,39 @@ class LocalizeKVWrites(DCPPass):
                 localized += 1
         return {"kv_caches": len(caches), "kv_writes_localized": localized}
 
-    @staticmethod
-    def _check_layout(base: fx.Node, cache: object, n: int, interleave: int) -> None:
-        if not isinstance(cache, torch.Tensor):
-            raise DCPRewriteError(f"cannot find the tensor behind KV cache input {base.name}")
-        layout = kv_layout(cache)
-        if layout is None:
-            raise DCPRewriteError(
-                f"KV cache {base.name} ({list(cache.shape)}) was not allocated by dsa_dcp.allocate_kv_cache, so its "
-                f"slot layout is unknown; allocate it with allocate_kv_cache(num_slots, dim, dcp_size={n}, "
-                f"interleave={interleave}) so each rank holds only its rows"
-            )
-        if (layout.dcp_size, layout.interleave) != (n, interleave):
-            raise DCPRewriteError(
-                f"KV cache {base.name} was allocated for dcp_size={layout.dcp_size}, interleave={layout.interleave} "
-                f"({layout.rows} rows for {layout.num_slots} slots) but compiled for dcp_size={n}, "
-                f"interleave={interleave}; allocate it with those options (a DCP rank never holds the global cache)"
-            )
-        if cache.shape[0] != layout.rows:
-            raise DCPRewriteError(f"KV cache {base.name} has {cache.shape[0]} rows, its layout needs {layout.rows}")
 
-    @staticmethod
-    def _refuse(user: fx.Node, base: fx.Node) -> None:
-        raise DCPRewriteError(
-            f"KV cache {base.name} is used by {user.format_node()}, which the DCP rewrite cannot localize "
-            f"(a KV cache may only be read by sparse attention and written by kv_store, index_put_, index_copy_ "
-            f"or cache[slots] = rows, on the cache itself, not a view)"
-            f"{where(user)}"
+def _is_attention_read(user: fx.Node, base: fx.Node) -> bool:
+    return user.op == "call_function" and user.target in SPARSE_ATTENTION_OPS and user.args[2] is base \
+        and base not in user.args[:2] + user.args[3:]
+
+
+def _is_localizable_write(user: fx.Node, base: fx.Node) -> bool:
+    write = _write_slots_and_rows(user)
+    return write is not None and user.args[0] is base and base not in write
+
+
+def _layout_problems(base: fx.Node, cache: object, n: int, interleave: int) -> list[str]:
+    if not isinstance(cache, torch.Tensor):
+        return [f"cannot find the tensor behind KV cache input {base.name}"]
+    problems = []
+    if cache.dtype not in KV_DTYPES:
+        extra = " (FP8 E4M3 KV is part of the contract, but no kernel implements it yet)" \
+            if cache.dtype == torch.float8_e4m3fn else ""
+        problems.append(f"KV cache {base.name} has dtype {cache.dtype}; supported: "
+                        f"{[str(d).replace('torch.', '') for d in KV_DTYPES]}{extra}")
+    layout = kv_layout(cache)
+    if layout is None:
+        problems.append(
+            f"KV cache {base.name} ({list(cache.shape)}) was not allocated by dsa_dcp.allocate_kv_cache, so its "
+            f"slot layout is unknown; allocate it with allocate_kv_cache(num_slots, dim, dcp_size={n}, "
+            f"interleave={interleave}) so each rank holds only its rows"
         )
+    elif (layout.dcp_size, layout.interleave) != (n, interleave):
+        problems.append(
+            f"KV cache {base.name} was allocated for dcp_size={layout.dcp_size}, interleave={layout.interleave} "
+            f"({layout.rows} rows for {layout.num_slots} slots) but compiled for dcp_size={n}, "
+            f"interleave={interleave}; allocate it with those options (a DCP rank never holds the global cache)"
+        )
+    elif cache.shape[0] != layout.rows:
+        problems.append(f"KV cache {base.name} has {cache.shape[0]} rows, its layout needs {layout.rows}")
+    return problems
