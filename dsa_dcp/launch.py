@@ -1,10 +1,16 @@
 """Run a function on N ranks: N CPU processes over gloo here, or the ranks ``torchrun`` started.
 
 ``run_on_ranks(fn, n, *args)`` is the one place that spawns ranks for tests and the demo: it picks
-a free port, starts ``n`` processes (spawn), initializes a gloo process group with a timeout in
-each, calls ``fn(rank, n, *args)``, and returns the ranks' results in rank order. A rank that
-raises fails the caller with a ``RankError`` carrying that rank's traceback; a rank that does not
-finish in ``timeout`` seconds fails it too, and every rank left is killed, so nothing hangs.
+a free port, starts ``n`` processes (spawn), initializes a gloo process group in each, calls
+``fn(rank, n, *args)``, and returns the ranks' results in rank order.
+
+Nothing hangs. Each rank reports over its own pipe (joining, joined, result or traceback) and the
+caller also watches every process's exit, so it learns at once when a rank raises or dies. The
+process group's ``collective_timeout`` bounds how long a rank waits for the others, both to join
+(gloo's store waits) and inside every collective; ``timeout`` bounds the whole run. On the first
+failure the caller waits a moment (at most ``FAILURE_GRACE_S``) for the other ranks' reports,
+stops every rank still running, and raises one ``RankError`` naming each rank that died (exit
+code or signal), raised (its traceback), never joined, or was still running.
 
 Under ``torchrun`` (GPUs, NCCL) call ``init_from_env()`` in each rank instead.
 """
@@ -14,19 +20,36 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import queue
+import signal
 import socket
 import time
 import traceback
+from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# After the first failure, how long the caller keeps listening for the other ranks' reports (a
+# dead peer makes gloo fail the survivors' collectives within milliseconds) before stopping them.
+FAILURE_GRACE_S = 2.0
+# How long a finished run waits for its ranks to exit before it kills them.
+EXIT_GRACE_S = 5.0
+
 
 class RankError(RuntimeError):
-    """A rank failed (its traceback is in the message) or did not finish in time."""
+    """One or more ranks failed, died, never joined, or did not finish in time.
+
+    ``ranks`` maps every rank that did not return a result to what happened to it:
+    ``"failed"`` (raised; its traceback is in the message), ``"died"`` (exited without a result),
+    ``"not joined"`` (still running, never called ``init_process_group``), ``"joining"`` (still
+    inside ``init_process_group``) or ``"running"`` (joined, still running when stopped).
+    """
+
+    def __init__(self, message: str, ranks: dict[int, str] | None = None):
+        super().__init__(message)
+        self.ranks = dict(ranks or {})
 
 
 def free_port() -> int:
@@ -35,76 +58,229 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, args, results, timeout):
+def _send(conn, msg) -> None:
+    try:
+        conn.send(msg)
+    except (BrokenPipeError, EOFError, OSError):  # the caller is gone: nobody to tell
+        pass
+
+
+def _rank_main(fn, rank, world_size, port, args, conn, collective_timeout, before_join):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
+        if before_join is not None:
+            before_join(rank, world_size)
+        _send(conn, ("joining", None))
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout)
         )
+        _send(conn, ("joined", None))
         value = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(value, buf)  # plain bytes: no shared-memory handles that die with this process
-        results.put((rank, None, buf.getvalue()))
+        _send(conn, ("result", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure goes back to the caller
-        results.put((rank, traceback.format_exc(), None))
+        _send(conn, ("error", traceback.format_exc()))
     finally:
+        conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _Ranks:
+    """What the caller knows about each rank: its phase, result, traceback or exit."""
+
+    def __init__(self, procs, conns):
+        self.procs, self.conns = procs, conns
+        n = len(procs)
+        self.phase = ["starting"] * n  # starting -> joining -> joined
+        self.results: dict[int, bytes] = {}
+        self.errors: dict[int, str] = {}  # insertion order = arrival order
+        self.dead: dict[int, int | None] = {}
+        self.open = set(range(n))  # pipes not yet at EOF
+
+    def pending(self) -> list[int]:
+        done = self.results.keys() | self.errors.keys() | self.dead.keys()
+        return [r for r in range(len(self.procs)) if r not in done]
+
+    def failed(self) -> bool:
+        return bool(self.errors or self.dead)
+
+    def drain(self, r: int) -> None:
+        conn = self.conns[r]
+        while r in self.open and conn.poll():
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):
+                self.open.discard(r)
+                break
+            if kind in ("joining", "joined"):
+                self.phase[r] = kind
+            elif kind == "result":
+                self.results[r] = payload
+            else:
+                self.errors[r] = payload
+
+    def wait(self, timeout: float) -> None:
+        """Block until some pending rank reports or exits (or ``timeout`` passes); record it."""
+        pending = self.pending()
+        by_handle = {}
+        for r in pending:
+            if r in self.open:
+                by_handle[self.conns[r]] = r
+            by_handle[self.procs[r].sentinel] = r
+        for handle in wait_ready(list(by_handle), timeout=max(timeout, 0.0)):
+            r = by_handle[handle]
+            self.drain(r)
+            if handle == self.procs[r].sentinel:
+                # its pipes close a moment before it can be reaped
+                self.procs[r].join(5.0)
+                self.drain(r)  # everything it sent before exiting is in the pipe already
+                if r not in self.results and r not in self.errors:
+                    self.dead[r] = self.procs[r].exitcode
+
+    def report(self, world_size: int, timed_out: float | None) -> RankError:
+        ranks: dict[int, str] = {}
+        lines: list[str] = []
+        details: list[str] = []
+        for r, code in self.dead.items():
+            before = " before joining the process group" if self.phase[r] != "joined" else ""
+            lines.append(f"rank {r} of {world_size} died ({_exit_reason(code)}) without returning a result{before}")
+            ranks[r] = "died"
+        for r in self.pending():
+            if self.phase[r] == "starting":
+                lines.append(
+                    f"rank {r} of {world_size} never joined the process group (it never called init_process_group)"
+                )
+                ranks[r] = "not joined"
+            elif self.phase[r] == "joining":
+                lines.append(f"rank {r} of {world_size} was still inside init_process_group")
+                ranks[r] = "joining"
+            else:
+                lines.append(f"rank {r} of {world_size} was still running")
+                ranks[r] = "running"
+        for r, tb in self.errors.items():
+            lines.append(f"rank {r} of {world_size} raised (traceback below)")
+            details.append(f"rank {r} of {world_size} failed:\n{tb}")
+            ranks[r] = "failed"
+        if timed_out is not None:
+            head = f"rank(s) {sorted(self.pending())} did not finish within {timed_out:.0f} s"
+        else:
+            head = f"{len(ranks)} of {world_size} rank(s) did not return a result"
+        stopped = "; every rank still running was stopped" if self.pending() else ""
+        message = "\n".join([head + stopped, *("  " + line for line in lines), *details])
+        return RankError(message, ranks)
+
+
+def _stop(procs, grace: float) -> None:
+    """Terminate what is still running, wait up to ``grace`` s in all, then kill what is left."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.0))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    collective_timeout: float | None = None,
+    before_join: Callable[[int, int], None] | None = None,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
-    ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
+    ``fn``, ``args`` and ``before_join`` must be picklable (module-level functions).
+
+    - ``timeout``: seconds for the whole run; ranks not done by then are stopped.
+    - ``collective_timeout``: the process group's timeout (default ``timeout``): how long a rank
+      waits for the others to join and inside any one collective before gloo raises.
+    - ``before_join``: called as ``before_join(rank, world_size)`` in each rank before it calls
+      ``init_process_group`` (environment set-up; tests use it to make a rank never join).
+
+    Raises ``RankError`` (see the module docstring) when any rank does not return a result.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    collective_timeout = timeout if collective_timeout is None else collective_timeout
+    if collective_timeout <= 0:
+        raise ValueError(f"collective_timeout must be > 0 seconds, got {collective_timeout}")
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, timeout), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    out: dict[int, Any] = {}
+    procs, conns = [], []
     try:
-        while len(out) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(world_size)) - set(out))
-                raise RankError(f"rank(s) {missing} did not finish within {timeout:.0f} s")
-            try:
-                rank, error, payload = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RankError(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})") from None
-                continue
-            if error is not None:
-                raise RankError(f"rank {rank} of {world_size} failed:\n{error}")
-            out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        for r in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_rank_main,
+                args=(fn, r, world_size, port, args, child_end, collective_timeout, before_join),
+                daemon=True,
+            )
+            p.start()
+            child_end.close()  # the child holds its own copy: EOF here once it is gone
+            procs.append(p)
+            conns.append(parent_end)
+        ranks = _Ranks(procs, conns)
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while ranks.pending():
+            now = time.monotonic()
+            if now >= deadline:
+                raise ranks.report(world_size, timed_out=timeout)
+            if ranks.failed():
+                if failed_at is None:
+                    failed_at = now
+                if now - failed_at >= FAILURE_GRACE_S:
+                    break
+                ranks.wait(min(deadline, failed_at + FAILURE_GRACE_S) - now)
+            else:
+                ranks.wait(deadline - now)
+        if ranks.failed():
+            raise ranks.report(world_size, timed_out=None)
+        _stop_after_success(procs)
+        return [torch.load(io.BytesIO(ranks.results[r]), weights_only=False) for r in range(world_size)]
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [out[r] for r in range(world_size)]
+        _stop(procs, grace=1.0)
+        for c in conns:
+            c.close()
 
 
-def init_from_env(backend: str | None = None) -> tuple[int, int]:
+def _stop_after_success(procs) -> None:
+    # every rank has returned; give them time to tear down the group and exit on their own
+    deadline = time.monotonic() + EXIT_GRACE_S
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.0))
+
+
+def init_from_env(backend: str | None = None, timeout: float | None = None) -> tuple[int, int]:
     """Initialize the default group from ``torchrun``'s environment; returns ``(rank, world_size)``.
 
-    NCCL with one GPU per local rank when CUDA is available, gloo otherwise.
+    NCCL with one GPU per local rank when CUDA is available, gloo otherwise. ``timeout`` (seconds)
+    is the process group's timeout for joining and for each collective (torch's default if None).
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+        dist.init_process_group(backend, **kwargs)
     return dist.get_rank(), dist.get_world_size()

@@ -21,3 +21,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Hypothesis profiles for tests/test_properties.py: `ci` (the default) is small and reproducible
+# (derandomized: the same examples every run); `soak` runs many random examples.
+#   HYPOTHESIS_PROFILE=soak python -m pytest tests/test_properties.py
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # pragma: no cover - the property tests skip without hypothesis
+    pass
+else:
+    _slow_ok = [HealthCheck.too_slow, HealthCheck.data_too_large]
+    settings.register_profile(
+        "ci",
+        max_examples=60,
+        deadline=None,
+        derandomize=True,  # the same examples on every run and machine
+        database=None,  # and no replay of failures saved by an earlier local run
+        print_blob=True,
+        suppress_health_check=_slow_ok,
+    )
+    settings.register_profile(
+        "soak", max_examples=2000, deadline=None, print_blob=True, suppress_health_check=_slow_ok
+    )
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

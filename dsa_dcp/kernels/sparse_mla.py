@@ -71,6 +71,9 @@ def sparse_mla_reference(
     idx = topk.to(torch.int64)
     valid = idx >= 0  # [B, K]
     rows = kv[idx.clamp(min=0)].to(compute_dtype)  # [B, K, Dc + Dr]
+    # skipped entries gathered row 0: zero them, or a NaN/inf there (an unwritten cache row)
+    # would leak through 0 * NaN into the output
+    rows = torch.where(valid[..., None], rows, torch.zeros((), dtype=compute_dtype, device=rows.device))
     qn = q_nope.to(compute_dtype)
     qp = q_pe.to(compute_dtype)
     scores = torch.einsum("bhd,bkd->bhk", qn, rows[..., :Dc]) + torch.einsum("bhd,bkd->bhk", qp, rows[..., Dc:])

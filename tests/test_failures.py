@@ -1,0 +1,212 @@
+"""A rank that dies, never joins or hangs fails the run with a clear error in bounded time.
+
+Every case runs real gloo ranks on the CPU through ``dsa_dcp.launch.run_on_ranks`` with a short
+process-group timeout (``collective_timeout``) and checks that the caller gets a ``RankError``
+naming the rank at fault and what happened to it, long before the run's own ``timeout``, and that
+no rank process is left running afterwards. Each case takes a few seconds, mostly process start-up.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dsa_dcp.launch import RankError, run_on_ranks
+
+WORLD = 3
+COLLECTIVE_TIMEOUT = 2.0  # the process group's timeout: joining, and each collective
+RUN_TIMEOUT = 50.0  # the whole run's deadline; every case must fail long before it
+# what a case may take beyond the timeouts it waits for: start-up of the ranks (about 5 s on
+# 2 cores), the caller's grace for late reports, stopping the ranks
+SLACK = 20.0
+
+
+class _StartTogether:
+    """``before_join``: record the pid, wait until every rank has started, then maybe never join.
+
+    Ranks import torch at different speeds; starting init_process_group together keeps a short
+    join timeout from failing a case that is about something else.
+    """
+
+    def __init__(self, pid_dir, world=WORLD, never_join=None):
+        self.pid_dir, self.world, self.never_join = pid_dir, world, never_join
+
+    def __call__(self, rank, world):
+        with open(os.path.join(self.pid_dir, f"rank{rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while len(os.listdir(self.pid_dir)) < self.world and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if rank == self.never_join:
+            time.sleep(3600)
+
+
+def _assert_all_stopped(pid_dir):
+    """Every rank process is gone: reaped by the caller, not left orphaned."""
+    pids = [int(open(os.path.join(pid_dir, name)).read()) for name in os.listdir(pid_dir)]
+    assert len(pids) == WORLD
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _run_expecting_failure(fn, tmp_path, *args, never_join=None):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_on_ranks(
+            fn,
+            WORLD,
+            *args,
+            timeout=RUN_TIMEOUT,
+            collective_timeout=COLLECTIVE_TIMEOUT,
+            before_join=_StartTogether(str(tmp_path), never_join=never_join),
+        )
+    elapsed = time.monotonic() - start
+    _assert_all_stopped(str(tmp_path))
+    return info.value, elapsed
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) a rank dies mid-run while the others wait in a collective
+
+
+def _dies_mid_run(rank, world, how):
+    dist.barrier()  # everyone has joined
+    if rank == 1:
+        time.sleep(0.3)  # the others are inside the all-reduce by now
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3 if how == "exit" else 0)  # exit code 0 without a result is a dead rank too
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return t
+
+
+@pytest.mark.parametrize(
+    "how,reason", [("exit", "exit code 3"), ("exit0", "exit code 0"), ("sigkill", "killed by signal SIGKILL")]
+)
+def test_a_dead_rank_fails_the_others_promptly(tmp_path, how, reason):
+    err, elapsed = _run_expecting_failure(_dies_mid_run, tmp_path, how)
+    msg = str(err)
+    assert err.ranks[1] == "died", msg
+    assert f"rank 1 of {WORLD} died ({reason}) without returning a result" in msg
+    assert "before joining" not in msg
+    # the survivors' all-reduce failed at once (gloo saw the connection close), not by timing out
+    assert err.ranks[0] == err.ranks[2] == "failed", msg
+    assert "Connection closed by peer" in msg and "Timed out" not in msg, msg
+    assert elapsed < SLACK, f"took {elapsed:.1f} s"
+
+
+def _never_called(rank, world):
+    raise AssertionError("fn ran although a rank never joined")
+
+
+class _DiesBeforeJoining(_StartTogether):
+    def __call__(self, rank, world):
+        super().__call__(rank, world)
+        if rank == 2:
+            os._exit(5)
+
+
+def test_a_rank_that_dies_before_joining(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_on_ranks(
+            _never_called,
+            WORLD,
+            timeout=RUN_TIMEOUT,
+            collective_timeout=30.0,  # long: the death is seen by its exit, not by a join timeout
+            before_join=_DiesBeforeJoining(str(tmp_path)),
+        )
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.ranks[2] == "died", str(err)
+    assert f"rank 2 of {WORLD} died (exit code 5) without returning a result before joining the process group" in str(
+        err
+    )
+    assert all(err.ranks[r] == "joining" for r in (0, 1)), str(err)  # stopped while waiting for rank 2
+    assert elapsed < SLACK, f"took {elapsed:.1f} s"
+    _assert_all_stopped(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) a rank never joins: the others' init_process_group times out in gloo's store
+
+
+# rank 0 hosts the TCP store, so its absence fails differently: the others cannot even connect
+@pytest.mark.parametrize("missing", [0, 1])
+def test_a_rank_that_never_joins(tmp_path, missing):
+    err, elapsed = _run_expecting_failure(_never_called, tmp_path, never_join=missing)
+    msg = str(err)
+    assert err.ranks[missing] == "not joined", msg
+    assert f"rank {missing} of {WORLD} never joined the process group" in msg
+    others = {err.ranks[r] for r in range(WORLD) if r != missing}
+    # each client retries a missing store once after a random delay, so when the first one has
+    # given up another may still be connecting
+    assert "failed" in others and others <= {"failed", "joining"}, msg
+    assert "AssertionError" not in msg  # fn never ran
+    # rank 0 missing: "The client socket has timed out ... while trying to connect";
+    # rank 1 missing: rank 0 "Timed out after 2 seconds waiting for clients", the others
+    # "wait timeout after 2000ms, keys: ..."
+    assert "timed out" in msg.lower() or "timeout" in msg.lower(), msg
+    # connecting to a store that is not there is retried once: up to about twice the timeout
+    assert 0.9 * COLLECTIVE_TIMEOUT <= elapsed < 2 * COLLECTIVE_TIMEOUT + SLACK, f"took {elapsed:.1f} s"
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) a rank hangs: the others' collective times out after the process group's timeout
+
+
+def _hangs_outside_the_collective(rank, world):
+    dist.barrier()
+    if rank == 1:
+        time.sleep(3600)  # stuck (a deadlock, an endless loop): never reaches the all-reduce
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return t
+
+
+def test_a_hung_rank_times_out_the_others(tmp_path):
+    err, elapsed = _run_expecting_failure(_hangs_outside_the_collective, tmp_path)
+    msg = str(err)
+    assert err.ranks[1] == "running", msg
+    assert f"rank 1 of {WORLD} was still running" in msg
+    assert err.ranks[0] == err.ranks[2] == "failed", msg
+    # gloo's own words, with the process group's timeout
+    assert f"Timed out waiting {int(COLLECTIVE_TIMEOUT * 1000)}ms" in msg, msg
+    assert COLLECTIVE_TIMEOUT <= elapsed < COLLECTIVE_TIMEOUT + SLACK, f"took {elapsed:.1f} s"
+
+
+def _left_alone_in_a_collective(rank, world):
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if rank == 1:
+        dist.all_reduce(t)  # a collective no other rank enters (a mismatched program)
+    return t
+
+
+def test_a_rank_left_alone_in_a_collective_fails(tmp_path):
+    err, elapsed = _run_expecting_failure(_left_alone_in_a_collective, tmp_path)
+    msg = str(err)
+    # the others returned; rank 1's collective fails (its peers left, or the timeout) and says so
+    assert err.ranks == {1: "failed"}, msg
+    assert f"rank 1 of {WORLD} failed:" in msg and "all_reduce" in msg
+    assert elapsed < COLLECTIVE_TIMEOUT + SLACK, f"took {elapsed:.1f} s"
+
+
+def _sleeps_in_a_collective(rank, world):
+    dist.barrier()
+    if rank == 1:
+        time.sleep(3600)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_the_run_timeout_bounds_a_group_with_a_long_collective_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"did not finish within 5 s") as info:
+        run_on_ranks(_sleeps_in_a_collective, 2, timeout=5, collective_timeout=600)
+    assert set(info.value.ranks) == {0, 1}
+    assert time.monotonic() - start < 5 + SLACK
