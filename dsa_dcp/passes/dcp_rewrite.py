@@ -135,14 +135,13 @@ class DCPRewrite(DCPPass):
             lse_r = call(operator.getitem, attn, 1)
             _, head_dim = _heads_and_dim(attn)
             mode = ctx.options.merge
-            if mode == "ag":
-                packed = call(merge.pack_head_groups, out_r, lse_r, 1)
-                recv = collective(C10D.all_gather_into_tensor.default, packed, n, group)
-                parts = call(merge.unpack_head_groups, recv, head_dim)
-                combined = call(LSE_COMBINE, call(operator.getitem, parts, 0), call(operator.getitem, parts, 1))
-            elif mode in ("a2a", "fused_a2a"):  # fuse_merge turns the a2a chain into one node
-                packed = call(merge.pack_head_groups, out_r, lse_r, n)
-                recv = collective(C10D.all_to_all_single.default, packed, [1] * n, [1] * n, group)
+            if mode in ("ag", "a2a", "fused_a2a"):  # fuse_merge turns the a2a chain into one node
+                if mode == "ag":  # every rank gets every head of every rank
+                    packed = call(merge.pack_head_groups, out_r, lse_r, 1)
+                    recv = collective(C10D.all_gather_into_tensor.default, packed, n, group)
+                else:  # rank j gets head group j of every rank
+                    packed = call(merge.pack_head_groups, out_r, lse_r, n)
+                    recv = collective(C10D.all_to_all_single.default, packed, [1] * n, [1] * n, group)
                 parts = call(merge.unpack_head_groups, recv, head_dim)
                 combined = call(LSE_COMBINE, call(operator.getitem, parts, 0), call(operator.getitem, parts, 1))
             elif mode == "ag_rs":
