@@ -152,3 +152,11 @@ def test_misconfigurations_fail_at_compile_time_with_clear_errors():
     assert "allocated for dcp_size=2, interleave=1" in errors["interleave"]
     assert "but compiled for dcp_size=2, interleave=2" in errors["interleave"]
     assert "merge must be one of ['ag', 'a2a', 'ag_rs', 'fused_a2a'], got 'ring'" in errors["unknown_merge"]
+
+
+def test_a_dcp_model_refuses_to_run_eagerly():
+    cfg, batch = _setup("glm5.2-tiny")
+    model = DSAModel(cfg, batch.num_slots, dcp_size=2)
+    rows = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"allocated for dcp_size=2; run it through torch.compile"):
+        model(rows, rows, rows, rows - 1, batch.page_table)

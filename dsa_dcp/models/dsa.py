@@ -269,6 +269,7 @@ class DSAModel(nn.Module):
     # ------------------------------------------------------------------ caches
     def allocate_caches(self, *, dcp_size: int = 1, interleave: int = 1, kv_rows: int | None = None) -> None:
         """(Re)allocate every cache, zeroed, at the model's dtype/device (see class docstring)."""
+        self.dcp_size = dcp_size if kv_rows is None else 1
         ref = self.embed
         for layer in self.layers:
             attn = layer.attn
@@ -320,6 +321,15 @@ class DSAModel(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor,
                 page_table: Tensor) -> Tensor:
+        if self.dcp_size > 1 and not torch.compiler.is_compiling():
+            # The caches hold this rank's rows only: the code as written would index them with
+            # global slots. This runs only if dynamo fell back to eager (a graph break, or the
+            # recompile limit), and must fail loudly rather than attend over the wrong rows.
+            raise RuntimeError(
+                f"this model's KV caches are allocated for dcp_size={self.dcp_size}; run it through "
+                f"torch.compile(backend='dsa_dcp', options={{'dcp_size': {self.dcp_size}, ...}}, fullgraph=True) "
+                f"(it ran eagerly: a graph break or dynamo's recompile limit)"
+            )
         freqs = positions.float().unsqueeze(-1) * self.rope_inv_freq
         idx_freqs = positions.float().unsqueeze(-1) * self.index_rope_inv_freq
         rope = (freqs.cos(), freqs.sin(), idx_freqs.cos(), idx_freqs.sin())

@@ -1,0 +1,196 @@
+"""The DCP program on several GPUs (or CPU ranks): correctness, then speed, in one run.
+
+Under ``torchrun --nproc-per-node N -m dsa_dcp.bench.dcp_run`` (NCCL, one GPU per rank) every
+rank:
+
+1. **correctness** — for each merge mode, GLM-5.2-shaped models (real attention dimensions with a
+   few layers, and all 78 layers with tiny widths) generate greedily over a batch of requests of
+   different lengths, once single-rank (eager, global KV cache, on this rank's GPU) and once as
+   the DCP program; tokens must be identical and logits close; each rank's KV cache must hold
+   ``ceil(S/N)`` rows;
+2. **step latency** — a decode step with CUDA graphs at each batch size, for each merge mode and
+   for DCP size 1 (this GPU alone);
+3. **merge per layer** — ``fused_a2a_merge`` (one kernel, symmetric memory) against pack +
+   all_to_all + combine over NCCL, replayed from CUDA graphs.
+
+Rank 0 prints the tables and writes them as JSON (``--json``). ``--device cpu`` runs part 1 on
+gloo CPU ranks with tiny models (how the script itself is tested in CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    device: str = "cuda"
+    merges: tuple[str, ...] = ("ag", "a2a", "ag_rs", "fused_a2a")
+    layers: int = 4  # real-dimension model
+    batches: tuple[int, ...] = (1, 8, 32)
+    steps: int = 8
+    context: int = 4096
+    tiny_only: bool = False
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def check_correctness(rank: int, world: int, spec: RunSpec) -> list[dict]:
+    from dsa_dcp.models import DSAModel, generate, get_config, make_requests, standard_test_batch
+    from dsa_dcp.slots import local_cache_rows
+
+    configs = [("glm5.2-tiny", get_config("glm5.2-tiny"))]
+    if not spec.tiny_only:
+        configs.insert(0, ("glm5.2 (real attention dims)", get_config(
+            "glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768, page_size=64)))
+    rows = []
+    for label, cfg in configs:
+        if cfg.index_topk > 64:  # real top-k 2048: two requests shorter than it, two longer
+            batch = make_requests(cfg, [3, 100, 2100, 2500], max_new_tokens=spec.steps, start_steps=[0, 0, 1, 2],
+                                  prefill_chunk=512, seed=3)
+            pad = 1024
+        else:
+            batch = standard_test_batch(cfg, max_new_tokens=spec.steps, seed=3)
+            pad = 16
+        with torch.no_grad():
+            single = DSAModel(cfg, batch.num_slots, device=spec.device, seed=5)
+            ref = generate(single, batch, spec.steps, pad_to=pad, device=spec.device)
+            del single
+            for merge in spec.merges:
+                if cfg.n_heads % world and merge != "ag":
+                    continue
+                torch._dynamo.reset()
+                model = DSAModel(cfg, batch.num_slots, dcp_size=world, device=spec.device, seed=5)
+                step = torch.compile(model, backend="dsa_dcp", fullgraph=True, dynamic=False,
+                                     options={"dcp_size": world, "merge": merge, "cuda_graphs": False})
+                out = generate(step, batch, spec.steps, pad_to=pad, device=spec.device)
+                rows.append({
+                    "model": label, "merge": merge, "N": world,
+                    "tokens_match": out.tokens == ref.tokens,
+                    "max_rel_logit_err": max(_relative_error(a, b) for a, b in zip(out.step_logits, ref.step_logits)),
+                    "kv_rows_per_rank": model.kv_caches()[0].shape[0],
+                    "kv_rows_expected": local_cache_rows(batch.num_slots, world),
+                })
+                del model, step
+    return rows
+
+
+def step_latency(rank: int, world: int, spec: RunSpec) -> list[dict]:
+    import triton
+
+    from dsa_dcp.bench.step import _decode_inputs
+    from dsa_dcp.models import DSAModel, get_config
+
+    cfg = get_config("glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768)
+    rows = []
+    for batch in spec.batches:
+        inputs, num_slots = _decode_inputs(cfg, batch, spec.context, spec.device)
+        for merge in ("single",) + spec.merges:
+            n = 1 if merge == "single" else world
+            torch._dynamo.reset()
+            model = DSAModel(cfg, num_slots, dcp_size=n, dtype=torch.bfloat16, device=spec.device, seed=0)
+            with torch.no_grad():
+                for cache in model.kv_caches() + list(model.index_caches().values()):
+                    cache.normal_()
+                options = {"batch_sizes": [batch]} if n == 1 else {"dcp_size": n, "merge": merge, "batch_sizes": [batch]}
+                step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
+                step(*inputs)
+                dist.barrier()
+                us = 1e3 * triton.testing.do_bench(lambda: step(*inputs), warmup=50, rep=300, return_mode="median")
+            rows.append({"batch": batch, "merge": "dcp1" if n == 1 else merge, "N": n, "layers": spec.layers,
+                         "step_us": us})
+            del model, step
+    return rows
+
+
+def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: int = 512) -> list[dict]:
+    from dsa_dcp.ops import _composed_a2a_merge
+
+    group = dist.group.WORLD.group_name
+    rows = []
+    for b in spec.batches:
+        out = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
+        lse = torch.randn(b, heads, device="cuda")
+        fused = lambda: torch.ops.dsa_dcp.fused_a2a_merge(out, lse, world, rank, group)  # noqa: E731
+        unfused = lambda: _composed_a2a_merge(out, lse, world, group)  # noqa: E731
+        ref, got = unfused(), fused()
+        torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=2e-2, atol=2e-2)
+        row = {"batch": b, "N": world, "heads_per_rank": heads // world}
+        for name, fn in (("fused", fused), ("unfused", unfused)):
+            fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(20):
+                    fn()
+            times = []
+            for _ in range(7):
+                dist.barrier()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / 20)
+            row[f"{name}_us"] = statistics.median(times)
+        row["unfused_over_fused"] = row["unfused_us"] / row["fused_us"]
+        rows.append(row)
+    return rows
+
+
+def run(rank: int, world: int, spec: RunSpec) -> dict:
+    results = {"correctness": check_correctness(rank, world, spec)}
+    if spec.device == "cuda":
+        results["step_latency"] = step_latency(rank, world, spec)
+        if "fused_a2a" in spec.merges:
+            results["merge_per_layer"] = merge_per_layer(rank, world, spec)
+    return results
+
+
+def _table(rows: list[dict]) -> str:
+    if not rows:
+        return "(none)"
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dsa_dcp.launch import init_from_env
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--merges", nargs="+", default=list(RunSpec.merges))
+    p.add_argument("--layers", type=int, default=RunSpec.layers)
+    p.add_argument("--batches", type=int, nargs="+", default=list(RunSpec.batches))
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    rank, world = init_from_env("nccl" if args.device == "cuda" else "gloo")
+    spec = RunSpec(device=args.device, merges=tuple(args.merges), layers=args.layers, batches=tuple(args.batches),
+                   tiny_only=args.device == "cpu")
+    if args.device == "cuda":
+        spec = dataclasses.replace(spec, device=f"cuda:{torch.cuda.current_device()}")
+    results = run(rank, world, spec)
+    if rank == 0:
+        for name, rows in results.items():
+            print(f"\n{name} (N = {world})\n{_table(rows)}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    ok = all(r["tokens_match"] and r["kv_rows_per_rank"] == r["kv_rows_expected"] for r in results["correctness"])
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
