@@ -9,7 +9,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib  # noqa: E402
 import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -18,36 +17,27 @@ import zlib  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dsa_dcp.kernels import _common  # noqa: E402
-
-# import_module, not `from dsa_dcp.kernels import topk_remap`: the package's dispatcher functions
-# share their modules' names and shadow them as package attributes
-kv_store_mod = importlib.import_module("dsa_dcp.kernels.kv_store")
-lse_combine_mod = importlib.import_module("dsa_dcp.kernels.lse_combine")
-sparse_mla_mod = importlib.import_module("dsa_dcp.kernels.sparse_mla")
-topk_remap_mod = importlib.import_module("dsa_dcp.kernels.topk_remap")
-
-INTERPRET = _common.is_interpreted(topk_remap_mod._topk_remap_kernel)
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
-# Triton was imported before TRITON_INTERPRET=1 (by another test module, say): the kernels cannot
-# run on CPU in this process, so one test reruns this file in a fresh one and the rest skip.
-NEEDS_FRESH_PROCESS = DEVICE == "cpu" and not (INTERPRET and _common.interpreter_ready())
+from triton_env import (  # noqa: E402
+    DEVICE,
+    NEEDS_FRESH_PROCESS,
+    SKIP_REASON,
+    kv_store_mod,
+    lse_combine_mod,
+    rerun_in_fresh_interpreter,
+    sparse_mla_mod,
+    topk_remap_mod,
+)
 
 
 @pytest.fixture(autouse=True)
 def _interpreter_or_fresh_process(request):
     if NEEDS_FRESH_PROCESS and request.node.originalname != "test_in_fresh_interpreter":
-        pytest.skip("triton was imported without TRITON_INTERPRET=1; test_in_fresh_interpreter runs this case")
+        pytest.skip(SKIP_REASON)
 
 
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the interpreter works in this process")
 def test_in_fresh_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)]
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    rerun_in_fresh_interpreter(__file__, timeout=600)
 
 
 # the interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest): one bf16 ulp

@@ -23,9 +23,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -34,19 +31,18 @@ pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from dsa_dcp.kernels import _common  # noqa: E402
 from dsa_dcp.slots import local_cache_rows, local_row, localize_slots, owner  # noqa: E402
+from triton_env import (  # noqa: E402
+    DEVICE,
+    NEEDS_FRESH_PROCESS,
+    SKIP_REASON,
+    kv_store_mod,
+    lse_combine_mod,
+    rerun_in_fresh_interpreter,
+    sparse_mla_mod,
+    topk_remap_mod,
+)
 
-kv_store_mod = importlib.import_module("dsa_dcp.kernels.kv_store")
-lse_combine_mod = importlib.import_module("dsa_dcp.kernels.lse_combine")
-sparse_mla_mod = importlib.import_module("dsa_dcp.kernels.sparse_mla")
-topk_remap_mod = importlib.import_module("dsa_dcp.kernels.topk_remap")
-
-INTERPRET = _common.is_interpreted(topk_remap_mod._topk_remap_kernel)
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
-# triton was imported before TRITON_INTERPRET=1 reached it: the Triton cases cannot run in this
-# process (see tests/test_kernels.py); one test reruns the file in a fresh one instead
-NEEDS_FRESH_PROCESS = DEVICE == "cpu" and not (INTERPRET and _common.interpreter_ready())
 IMPLS = ["reference", "triton"]
 
 
@@ -55,17 +51,12 @@ def _triton_runs_here(request):
     callspec = getattr(request.node, "callspec", None)
     impl = callspec.params.get("impl") if callspec else None
     if NEEDS_FRESH_PROCESS and (impl == "triton" or request.node.originalname.endswith("_triton")):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1; test_in_fresh_interpreter runs this case")
+        pytest.skip(SKIP_REASON)
 
 
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the interpreter works in this process")
 def test_in_fresh_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__), "-k", "triton"]
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    rerun_in_fresh_interpreter(__file__, "-k", "triton")
 
 
 def examples(fraction: float) -> int:

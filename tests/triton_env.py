@@ -1,0 +1,39 @@
+"""Where the Triton kernels run in this test process, shared by the kernel test files.
+
+``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` on machines without CUDA before anything imports
+triton, so the kernels run on CPU tensors under the interpreter. If triton was imported before
+that (a test file run in a process that had already imported it), the interpreter cannot be
+switched on any more: those files then rerun themselves in a fresh process
+(``rerun_in_fresh_interpreter``) and skip their Triton cases here.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import torch
+
+from dsa_dcp.kernels import _common
+
+# import_module, not `from dsa_dcp.kernels import topk_remap`: the package's dispatcher functions
+# share their modules' names and shadow them as package attributes
+kv_store_mod = importlib.import_module("dsa_dcp.kernels.kv_store")
+lse_combine_mod = importlib.import_module("dsa_dcp.kernels.lse_combine")
+sparse_mla_mod = importlib.import_module("dsa_dcp.kernels.sparse_mla")
+topk_remap_mod = importlib.import_module("dsa_dcp.kernels.topk_remap")
+
+INTERPRET = _common.is_interpreted(topk_remap_mod._topk_remap_kernel)
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+NEEDS_FRESH_PROCESS = DEVICE == "cpu" and not (INTERPRET and _common.interpreter_ready())
+SKIP_REASON = "triton was imported without TRITON_INTERPRET=1; test_in_fresh_interpreter runs this case"
+
+
+def rerun_in_fresh_interpreter(test_file: str, *pytest_args: str, timeout: float = 900) -> None:
+    """Run ``test_file`` under pytest in a new process with ``TRITON_INTERPRET=1``; fail with its output."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file), *pytest_args]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
