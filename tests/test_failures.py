@@ -53,7 +53,8 @@ def _assert_all_stopped(pid_dir):
             os.kill(pid, 0)
 
 
-def _run_expecting_failure(fn, tmp_path, *args, never_join=None):
+def _run_expecting_failure(fn, tmp_path, *args, never_join=None, before_join=None,
+                           collective_timeout=COLLECTIVE_TIMEOUT):
     start = time.monotonic()
     with pytest.raises(RankError) as info:
         run_on_ranks(
@@ -61,8 +62,8 @@ def _run_expecting_failure(fn, tmp_path, *args, never_join=None):
             WORLD,
             *args,
             timeout=RUN_TIMEOUT,
-            collective_timeout=COLLECTIVE_TIMEOUT,
-            before_join=_StartTogether(str(tmp_path), never_join=never_join),
+            collective_timeout=collective_timeout,
+            before_join=before_join or _StartTogether(str(tmp_path), never_join=never_join),
         )
     elapsed = time.monotonic() - start
     _assert_all_stopped(str(tmp_path))
@@ -112,24 +113,15 @@ class _DiesBeforeJoining(_StartTogether):
 
 
 def test_a_rank_that_dies_before_joining(tmp_path):
-    start = time.monotonic()
-    with pytest.raises(RankError) as info:
-        run_on_ranks(
-            _never_called,
-            WORLD,
-            timeout=RUN_TIMEOUT,
-            collective_timeout=30.0,  # long: the death is seen by its exit, not by a join timeout
-            before_join=_DiesBeforeJoining(str(tmp_path)),
-        )
-    elapsed = time.monotonic() - start
-    err = info.value
+    # a long collective timeout: the death is seen by its exit, not by a join timeout
+    err, elapsed = _run_expecting_failure(_never_called, tmp_path, before_join=_DiesBeforeJoining(str(tmp_path)),
+                                          collective_timeout=30.0)
     assert err.ranks[2] == "died", str(err)
     assert f"rank 2 of {WORLD} died (exit code 5) without returning a result before joining the process group" in str(
         err
     )
     assert all(err.ranks[r] == "joining" for r in (0, 1)), str(err)  # stopped while waiting for rank 2
     assert elapsed < SLACK, f"took {elapsed:.1f} s"
-    _assert_all_stopped(str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------

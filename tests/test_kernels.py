@@ -17,6 +17,7 @@ import zlib  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import checks  # noqa: E402
 from triton_env import (  # noqa: E402
     DEVICE,
     NEEDS_FRESH_PROCESS,
@@ -49,19 +50,9 @@ def _gen(*params) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(params).encode()))
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str) -> None:
-    """No NaN, same infinities, and max |a - e| <= rtol * max |e| over the finite entries."""
-    a = actual.detach().double().cpu()
-    e = expected.detach().double().cpu()
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    assert not torch.isnan(a).any(), f"{what}: NaN in result"
-    assert torch.equal(torch.isneginf(a), torch.isneginf(e)), f"{what}: -inf positions differ"
-    assert torch.equal(torch.isposinf(a), torch.isposinf(e)), f"{what}: +inf positions differ"
-    fin = torch.isfinite(e)
-    if fin.any():
-        err = (a[fin] - e[fin]).abs().max().item()
-        scale = max(e[fin].abs().max().item(), 1e-6)
-        assert err <= rtol * scale, f"{what}: max abs err {err:.3e} > {rtol:.0e} * {scale:.3e}"
+def assert_close(actual, expected, rtol, what):
+    """``checks.assert_close`` relative to max |e|."""
+    checks.assert_close(actual, expected, rtol, what, scale_floor=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------

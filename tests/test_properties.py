@@ -32,6 +32,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from dsa_dcp.slots import local_cache_rows, local_row, localize_slots, owner  # noqa: E402
+import checks  # noqa: E402
 from triton_env import (  # noqa: E402
     DEVICE,
     NEEDS_FRESH_PROCESS,
@@ -71,17 +72,8 @@ def impl_fn(op: str, impl: str):
 
 
 def assert_close(actual, expected, rtol, what):
-    """No NaN, the same infinities, and max |a - e| <= rtol * max(|e|, 1) over finite entries."""
-    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    assert not torch.isnan(a).any(), f"{what}: NaN in result"
-    assert torch.equal(torch.isneginf(a), torch.isneginf(e)), f"{what}: -inf positions differ"
-    assert torch.equal(torch.isposinf(a), torch.isposinf(e)), f"{what}: +inf positions differ"
-    fin = torch.isfinite(e)
-    if fin.any():
-        err = (a[fin] - e[fin]).abs().max().item()
-        scale = max(e[fin].abs().max().item(), 1.0)
-        assert err <= rtol * scale, f"{what}: max abs err {err:.3e} > {rtol:.0e} * {scale:.3e}"
+    """``checks.assert_close`` relative to max(|e|, 1)."""
+    checks.assert_close(actual, expected, rtol, what, scale_floor=1.0)
 
 
 # ---------------------------------------------------------------------------------------------
