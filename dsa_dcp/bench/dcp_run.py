@@ -107,7 +107,6 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> list[dict]:
                 us = 1e3 * triton.testing.do_bench(lambda: step(*inputs), warmup=50, rep=300, return_mode="median")
             rows.append({"batch": batch, "merge": "dcp1" if n == 1 else merge, "N": n, "layers": spec.layers,
                          "step_us": us})
-            del model, step
     return rows
 
 

@@ -23,17 +23,11 @@ import torch.fx as fx
 
 from dsa_dcp import merge
 from dsa_dcp.passes.base import CompileContext, DCPPass, log
+from dsa_dcp.passes.graph import only_user
 
 C10D = torch.ops._c10d_functional
 FUSED = torch.ops.dsa_dcp.fused_a2a_merge.default
 LSE_COMBINE = torch.ops.dsa_dcp.lse_combine.default
-
-
-def _only_user(node: fx.Node, target) -> fx.Node | None:
-    users = list(node.users)
-    if len(users) == 1 and users[0].op == "call_function" and users[0].target is target:
-        return users[0]
-    return None
 
 
 @dataclasses.dataclass
@@ -47,9 +41,9 @@ class A2AMerge:
 
     @classmethod
     def match(cls, pack: fx.Node) -> A2AMerge | None:
-        exchange = _only_user(pack, C10D.all_to_all_single.default)
-        wait = exchange and _only_user(exchange, C10D.wait_tensor.default)
-        unpack = wait and _only_user(wait, merge.unpack_head_groups)
+        exchange = only_user(pack, C10D.all_to_all_single.default)
+        wait = exchange and only_user(exchange, C10D.wait_tensor.default)
+        unpack = wait and only_user(wait, merge.unpack_head_groups)
         if unpack is None:
             return None
         getitems = list(unpack.users)

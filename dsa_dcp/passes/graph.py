@@ -50,6 +50,16 @@ def users_in_order(node: fx.Node) -> list[fx.Node]:
     return sorted(node.users, key=order.__getitem__)
 
 
+def only_user(node: fx.Node, target=None) -> fx.Node | None:
+    """The one user of ``node`` (a ``call_function`` of ``target`` when given), else ``None``."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    if target is not None and not (user.op == "call_function" and user.target is target):
+        return None
+    return user
+
+
 def getitem_users(node: fx.Node) -> Iterator[tuple[int, fx.Node]]:
     """``(index, user)`` for each ``operator.getitem(node, index)`` user of a tuple-valued node."""
     for user in users_in_order(node):

@@ -19,15 +19,11 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from dsa_dcp.passes.graph import add_constant, placeholder_values
+from dsa_dcp.passes.graph import add_constant, only_user, placeholder_values
 
 EINSUM_TARGETS = {torch.einsum, torch.functional.einsum}
 LINEAR_TARGETS = {torch.nn.functional.linear, torch._C._nn.linear}
 C10D = torch.ops._c10d_functional
-
-
-def _single_user(node: fx.Node) -> fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
 
 
 def _is_head_einsum(node: fx.Node, out: fx.Node) -> bool:
@@ -66,13 +62,13 @@ class HeadEpilogue:
 
     @classmethod
     def match(cls, out: fx.Node) -> HeadEpilogue | None:
-        einsum = _single_user(out)
+        einsum = only_user(out)
         if einsum is None or not _is_head_einsum(einsum, out):
             return None
-        flat = _single_user(einsum)
+        flat = only_user(einsum)
         if flat is None or not _is_flatten_1(flat, einsum):
             return None
-        linear = _single_user(flat)
+        linear = only_user(flat)
         if linear is None or linear.op != "call_function" or linear.target not in LINEAR_TARGETS \
                 or linear.args[0] is not flat or not isinstance(linear.args[1], fx.Node):
             return None
