@@ -52,10 +52,6 @@ class SparseAttentionSpec:
 SPARSE_ATTENTION_OPS: dict[torch._ops.OpOverload, SparseAttentionSpec] = {}
 
 
-def is_sparse_attention(target: object) -> bool:
-    return target in SPARSE_ATTENTION_OPS
-
-
 # --------------------------------------------------------------------------- boundary checks
 
 

@@ -84,3 +84,17 @@ def test_dcp_size_one_equals_eager(family, layers, lowering):
     report = dsa_dcp.backend_report()
     assert report.summary["sparse_attention_nodes"] == layers
     assert report.passes == []  # dcp_size=1 keeps the graph as written
+
+
+def test_pass_uuid_covers_options_rank_and_group():
+    from dsa_dcp.passes import DCPRewrite, LocalizeKVWrites
+    from dsa_dcp.passes.base import CompileContext
+
+    def ctx(rank=0, group="g0", **options):
+        return CompileContext(options=DCPOptions.parse({"dcp_size": 2, **options}), rank=rank, group_name=group)
+
+    base = ctx()
+    assert DCPRewrite().uuid(base) == DCPRewrite().uuid(ctx())  # stable for the same inputs
+    variants = [ctx(rank=1), ctx(group="g1"), ctx(merge="ag"), ctx(interleave=2)]
+    keys = {DCPRewrite().uuid(c) for c in variants} | {DCPRewrite().uuid(base), LocalizeKVWrites().uuid(base)}
+    assert len(keys) == len(variants) + 2
