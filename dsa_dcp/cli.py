@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     merge.set_defaults(func=_bench_merge)
     kernels = bench_sub.add_parser("kernels", help="remap, combine and sparse MLA against torch eager and FlashInfer")
     kernels.add_argument("--json", help="also write the rows to this file")
+    kernels.add_argument("--only", nargs="+", choices=["remap", "combine", "mla"], help="time only these kernels")
+    kernels.add_argument("--tune", action="store_true",
+                         help="time sparse_mla tile candidates and backends per shape; print the dispatch table")
+    kernels.add_argument("--write-table", metavar="PATH", help="with --tune: write the dispatch table here")
     kernels.set_defaults(func=_bench_kernels)
     insp = sub.add_parser("inspect", help="show what the compiler does to a model: passes, collectives, memory, dataflow",
                           description="Compile TARGET for rank 0 of an N-rank DCP group in this process (a fake "

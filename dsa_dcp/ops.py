@@ -108,12 +108,17 @@ def sparse_mla(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale:
 
 @sparse_mla.register_kernel("cuda")
 def _sparse_mla_cuda(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
-    from dsa_dcp.kernels import flashinfer_mla
+    from dsa_dcp.kernels import dispatch, flashinfer_mla
 
-    # FlashInfer plans on the host: not inside a CUDA-graph capture.
-    capturing = torch.cuda.is_current_stream_capturing()
-    if not capturing and flashinfer_mla.available() and flashinfer_mla.supports(q_nope, q_pe, kv):
-        return flashinfer_mla.sparse_mla_flashinfer(q_nope, q_pe, kv, topk, sm_scale)
+    # The measured table (kernels/dispatch.py) picks FlashInfer only where it was faster as this op
+    # (plan and index packing included); FlashInfer plans on the host, so never inside a
+    # CUDA-graph capture. Without a table entry the Triton kernel runs.
+    if not torch.cuda.is_current_stream_capturing() and flashinfer_mla.available() and flashinfer_mla.supports(
+        q_nope, q_pe, kv
+    ):
+        choice = dispatch.choose(q_nope.shape[1], q_nope.shape[0], topk.shape[1], kv.dtype, q_nope.device)
+        if choice is not None and choice.backend != "triton":
+            return flashinfer_mla.sparse_mla_flashinfer(q_nope, q_pe, kv, topk, sm_scale, backend=choice.backend)
     return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale)
 
 

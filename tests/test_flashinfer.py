@@ -46,15 +46,28 @@ def test_flashinfer_matches_reference(b, h, k, backend):
     torch.testing.assert_close(lse.double(), ref_lse.double(), rtol=1e-3, atol=1e-3)
 
 
-def test_op_dispatches_to_flashinfer_for_its_shapes(monkeypatch):
-    from dsa_dcp.kernels import flashinfer_mla
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "triton"])
+def test_op_follows_the_measured_table(monkeypatch, tmp_path, backend):
+    """The op calls FlashInfer exactly when the dispatch table says so for the shape."""
+    import json
 
+    from dsa_dcp.kernels import dispatch, flashinfer_mla
+
+    entry = {"H": 64, "B": 4, "K": 256, "kv": "bf16", "backend": backend,
+             "tiles": {"block_h": 16, "block_k": 32, "num_warps": 4, "num_stages": 2, "num_splits": 2}}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "entries": [entry]}))
+    monkeypatch.setenv(dispatch.ENV, str(path))
+    dispatch.load_table.cache_clear()
     calls = []
     real = flashinfer_mla.sparse_mla_flashinfer
-    monkeypatch.setattr(flashinfer_mla, "sparse_mla_flashinfer", lambda *a, **k: calls.append(1) or real(*a, **k))
-    q_nope, q_pe, kv, topk = _inputs(0, 4, 64, 256, s=2048)
-    out, lse = torch.ops.dsa_dcp.sparse_mla(q_nope, q_pe, kv, topk, 0.1)
-    assert calls == [1]
+    monkeypatch.setattr(flashinfer_mla, "sparse_mla_flashinfer", lambda *a, **k: calls.append(k) or real(*a, **k))
+    try:
+        q_nope, q_pe, kv, topk = _inputs(0, 4, 64, 256, s=2048)
+        out, lse = torch.ops.dsa_dcp.sparse_mla(q_nope, q_pe, kv, topk, 0.1)
+    finally:
+        dispatch.load_table.cache_clear()
+    assert calls == ([] if backend == "triton" else [{"backend": backend}])
     ref_out, ref_lse = sparse_mla_reference(q_nope.double(), q_pe.double(), kv.double(), topk, 0.1,
                                             compute_dtype=torch.float64)
     assert (out.double() - ref_out).norm() / ref_out.norm() < 2e-2

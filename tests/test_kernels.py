@@ -92,7 +92,7 @@ def _brute_remap(topk, N, r, I):
 
 @pytest.mark.parametrize("N", [1, 2, 3, 4])
 @pytest.mark.parametrize("I", [1, 2, 3])
-@pytest.mark.parametrize("K,block_k,dtype", [(7, None, torch.int32), (33, 8, torch.int64)])
+@pytest.mark.parametrize("K,block_k,dtype", [(7, None, torch.int32), (33, 8, torch.int64), (33, 64, torch.int32)])
 def test_topk_remap(N, I, K, block_k, dtype):
     B = 6
     S = 4 * K * N * I + 1  # N * I does not divide S (for N * I > 1)
@@ -305,6 +305,39 @@ def test_sparse_mla_strided_views():
         out, lse = sparse_mla_mod.sparse_mla_triton(*args, 0.3, block_h=block_h, block_k=block_k)
         assert_close(out, exp_out, 1e-5, "out")
         assert_close(lse, exp_lse, 1e-5, "lse")
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_h,block_k,num_splits", [(2, 4, 1), (16, 16, 2)])
+def test_sparse_mla_fp8_kv(q_dtype, block_h, block_k, num_splits):
+    """E4M3 KV with a per-tensor scale: the same as attending over the dequantized cache."""
+    B, H, K, S, Dc, Dr = 3, 5, 40, 60, 16, 8
+    gen = _gen("mla-fp8", q_dtype, block_h)
+    q_nope, q_pe, kv_real, topk = _random_mla(gen, B, H, K, S, Dc, Dr, torch.float32)
+    q_nope, q_pe = q_nope.to(q_dtype), q_pe.to(q_dtype)
+    kv_scale = float(kv_real.abs().amax()) / 448.0
+    kv8 = (kv_real / kv_scale).to(torch.float8_e4m3fn)
+    exp_out, exp_lse = _brute_mla(q_nope, q_pe, kv8.double() * kv_scale, topk, 0.5)
+    args = [t.to(DEVICE) for t in (q_nope, q_pe, kv8, topk)]
+    ref = sparse_mla_mod.sparse_mla_reference(*args, 0.5, kv_scale)
+    tri = sparse_mla_mod.sparse_mla_triton(
+        *args, 0.5, kv_scale, block_h=block_h, block_k=block_k, num_splits=num_splits
+    )
+    for what, (o, lz) in (("reference", ref), ("triton", tri)):
+        assert o.dtype == q_dtype, what
+        assert_close(o, exp_out, RTOL[q_dtype], f"{what} out")
+        assert_close(lz, exp_lse, 1e-5, f"{what} lse")
+        assert (o[0] == 0).all() and torch.isneginf(lz[0]).all(), f"{what}: a row with no slot"
+
+
+def test_sparse_mla_kv_scale_contract():
+    q_nope, q_pe, kv, topk = _random_mla(_gen("mla-scale"), 2, 2, 4, 10, 16, 8, torch.float32)
+    kv8 = kv.to(torch.float8_e4m3fn)
+    for fn in (sparse_mla_mod.sparse_mla_reference, sparse_mla_mod.sparse_mla_triton):
+        with pytest.raises(ValueError, match="FP8 kv needs a positive Python float kv_scale"):
+            fn(q_nope, q_pe, kv8, topk, 0.5)
+        with pytest.raises(ValueError, match="kv_scale is only for FP8 kv"):
+            fn(q_nope, q_pe, kv, topk, 0.5, 2.0)
 
 
 @pytest.mark.parametrize("B,H,K", [(0, 4, 5), (2, 4, 0), (2, 0, 5)])

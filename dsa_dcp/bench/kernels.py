@@ -1,64 +1,102 @@
 """``dsa-dcp bench kernels``: each kernel against what a user would otherwise run.
 
 Every variant is checked against the torch reference on the same inputs before it is timed.
-Times are medians of ``triton.testing.do_bench`` (CUDA events, warm) in microseconds; "in graph"
-is the time per call of 20 calls captured in one CUDA graph (what a replayed decode step pays).
+Times are medians in microseconds, two ways:
+
+- ``eager``: ``triton.testing.do_bench`` over launches from Python (CUDA events, warm, L2 flushed
+  before each call). For small kernels this is the host's launch cost, not the GPU's.
+- ``graph``: calls captured back to back in one CUDA graph, replayed, time per call. This is what
+  a captured decode step pays. For ``sparse_mla`` the captured calls rotate over disjoint slices
+  of a 1.2 GB KV cache (about 100 MB or more of distinct rows a replay, twice the H200's L2),
+  so every call gathers rows that are not in L2.
+
+Kernels:
 
 - ``topk_remap``: ours (Triton) vs torch eager (``topk_remap_reference``); K = 2048.
 - ``lse_combine``: ours vs torch eager; H/N heads of D = 512 (H = 64).
-- ``sparse_mla``: our Triton decode kernel vs FlashInfer's MLA wrapper (fa2, fa3) used as sparse
-  attention (page_size 1, kv_indices = the top-k; ``plan()`` is outside the timed region, as a
-  server would plan once per step); BF16 KV over a cache of 1M slots (1.2 GB, far larger than
-  L2), random top-k; bytes moved = the K gathered KV rows + q + out; GB/s beside each time.
+- ``sparse_mla``: our Triton decode kernel (BF16 KV and FP8 E4M3 KV with a per-tensor scale) vs
+  FlashInfer's MLA wrapper (fa2, fa3) used as sparse attention (page_size 1, kv_indices = the
+  top-k; ``plan()`` outside the timed region, as a server plans once per step). "op" columns
+  time the whole ``sparse_mla`` call through each backend as the op runs it uncaptured
+  (FlashInfer's includes the index packing and ``plan()``, which syncs with the host).
+
+``--tune`` times Triton tile candidates per shape (in graph) and each backend as the op
+(eager), and ``--write-table`` writes the winners for :mod:`dsa_dcp.kernels.dispatch`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import math
+import shlex
+import sys
 
 import torch
 
 GRAPH_CALLS = 20
+L2_BYTES = 50 << 20  # the H200's L2 is 50 MB (60 MB on the die, 50 MB enabled)
+SLOTS = 1 << 20
+DC, DR = 512, 64
 
 
-def _median_us(fn) -> float:
+def _median_us(fn, rep: int = 100) -> float:
     import triton
 
-    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return 1e3 * triton.testing.do_bench(fn, warmup=max(rep // 4, 5), rep=rep, return_mode="median")
 
 
-def _in_graph_us(fn) -> float:
-    fn()
+def _in_graph_us(fns, rep: int = 100) -> float:
+    """Time per call of ``fns`` (a callable, or a list called in turn) captured in one CUDA graph."""
+    calls = [fns] * GRAPH_CALLS if callable(fns) else list(fns)
+    for fn in calls[:2]:
+        fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
+        for fn in calls:
             fn()
-    return _median_us(graph.replay) / GRAPH_CALLS
+    return _median_us(graph.replay, rep) / len(calls)
 
 
-def bench_remap(batches=(1, 8, 32, 128), ns=(2, 4, 8), k=2048, slots=1 << 20) -> list[dict]:
+def _try_in_graph_us(fns, row: dict, key: str) -> None:
+    try:
+        row[key] = _in_graph_us(fns)
+    except Exception as e:  # a backend that cannot be captured: say so in the row
+        torch.cuda.synchronize()
+        row[key] = None
+        row[key + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def bench_remap(batches=(1, 8, 32, 128), ns=(2, 4, 8), k=2048) -> list[dict]:
     from dsa_dcp.kernels import topk_remap_reference, topk_remap_triton
 
     rows = []
     for b in batches:
         for n in ns:
-            topk = torch.randint(0, slots, (b, k), device="cuda", dtype=torch.int32)
+            topk = torch.randint(0, SLOTS, (b, k), device="cuda", dtype=torch.int32)
             topk[:, k - k // 8:] = -1
             ref = topk_remap_reference(topk, n, 1, 1)
             got = topk_remap_triton(topk, n, 1, 1)
             assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
-            row = {"kernel": "topk_remap", "B": b, "N": n, "K": k,
-                   "ours_us": _median_us(lambda: topk_remap_triton(topk, n, 1, 1)),
-                   "torch_us": _median_us(lambda: topk_remap_reference(topk, n, 1, 1))}
-            row["ours_in_graph_us"] = _in_graph_us(lambda: topk_remap_triton(topk, n, 1, 1)) if b == 1 else None
-            row["speedup"] = row["torch_us"] / row["ours_us"]
-            rows.append(row)
+            ours = lambda: topk_remap_triton(topk, n, 1, 1)  # noqa: E731
+            torch_ = lambda: topk_remap_reference(topk, n, 1, 1)  # noqa: E731
+            rows.append(_pair("topk_remap", {"B": b, "N": n, "K": k}, ours, torch_))
     return rows
 
 
-def bench_combine(batches=(1, 8, 32, 128), ns=(2, 4, 8), heads=64, d=512) -> list[dict]:
+def _pair(kernel: str, shape: dict, ours, torch_) -> dict:
+    row = {"kernel": kernel, **shape,
+           "ours_us": _median_us(ours), "ours_graph_us": _in_graph_us(ours),
+           "torch_us": _median_us(torch_), "torch_graph_us": _in_graph_us(torch_)}  # fmt: skip
+    row["eager_speedup"] = row["torch_us"] / row["ours_us"]
+    row["step_speedup"] = row["torch_us"] / row["ours_graph_us"]
+    row["graph_speedup"] = row["torch_graph_us"] / row["ours_graph_us"]
+    return row
+
+
+def bench_combine(batches=(1, 8, 32, 128), ns=(2, 4, 8), heads=64, d=DC) -> list[dict]:
     from dsa_dcp.kernels import lse_combine_reference, lse_combine_triton
 
     rows = []
@@ -68,77 +106,200 @@ def bench_combine(batches=(1, 8, 32, 128), ns=(2, 4, 8), heads=64, d=512) -> lis
             lse = torch.randn(n, b, heads // n, device="cuda")
             ref, got = lse_combine_reference(out, lse), lse_combine_triton(out, lse)
             torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=2e-2, atol=2e-2)
-            row = {"kernel": "lse_combine", "B": b, "N": n, "H/N": heads // n, "D": d,
-                   "ours_us": _median_us(lambda: lse_combine_triton(out, lse)),
-                   "torch_us": _median_us(lambda: lse_combine_reference(out, lse))}
-            row["ours_in_graph_us"] = _in_graph_us(lambda: lse_combine_triton(out, lse)) if b == 1 else None
-            row["speedup"] = row["torch_us"] / row["ours_us"]
-            rows.append(row)
+            torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
+            ours = lambda: lse_combine_triton(out, lse)  # noqa: E731
+            torch_ = lambda: lse_combine_reference(out, lse)  # noqa: E731
+            rows.append(_pair("lse_combine", {"B": b, "N": n, "H/N": heads // n, "D": d}, ours, torch_))
     return rows
 
 
-def _flashinfer_runner(q_nope, q_pe, kv, topk, scale, backend):
-    import flashinfer
+class MlaCase:
+    """Inputs of one sparse MLA shape: queries, a 1M-slot cache in ``views`` disjoint slices and a
+    top-k into one slice (the same indices address a different slice in each view)."""
 
-    b, h, dc = q_nope.shape
-    k = topk.shape[1]
-    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
-    indptr = torch.arange(b + 1, dtype=torch.int32, device="cuda")
-    kv_indptr = indptr * k
-    lens = torch.full((b,), k, dtype=torch.int32, device="cuda")
-    wrapper.plan(indptr, kv_indptr, topk.reshape(-1), lens, h, dc, q_pe.shape[-1], 1, False, scale,
-                 q_nope.dtype, kv.dtype)
-    ckv, kpe = kv[:, :dc].unsqueeze(1), kv[:, dc:].unsqueeze(1)
-    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+    def __init__(self, cache: torch.Tensor, h: int, b: int, k: int, kv: str, scale_fp8: float):
+        self.h, self.b, self.k, self.kv = h, b, k, kv
+        per_call = b * k * (DC + DR) * cache.element_size()
+        self.views = max(1, min(128, math.ceil(2 * L2_BYTES / per_call)))
+        span = cache.shape[0] // self.views
+        self.caches = [cache[i * span:(i + 1) * span] for i in range(self.views)]
+        self.q_nope = torch.randn(b, h, DC, device="cuda", dtype=torch.bfloat16)
+        self.q_pe = torch.randn(b, h, DR, device="cuda", dtype=torch.bfloat16)
+        self.topk = torch.stack([torch.randperm(span, device="cuda")[:k] for _ in range(b)]).int()
+        self.sm_scale = 192**-0.5
+        self.kv_scale = scale_fp8 if kv == "fp8" else None
+        self.bytes = b * k * (DC + DR) * cache.element_size() + 2 * b * h * (DC + DR) * 2
+
+    def reference(self):
+        from dsa_dcp.kernels import sparse_mla_reference
+
+        return sparse_mla_reference(self.q_nope, self.q_pe, self.caches[0], self.topk, self.sm_scale, self.kv_scale)
+
+    def triton(self, view: int = 0, **tiles):
+        from dsa_dcp.kernels import sparse_mla_triton
+
+        return lambda: sparse_mla_triton(
+            self.q_nope, self.q_pe, self.caches[view], self.topk, self.sm_scale, self.kv_scale, **tiles
+        )
+
+    def flashinfer_runs(self, backend: str, graph: bool):
+        """``wrapper.run`` per view after one ``plan()`` (graph: a CUDA-graph wrapper)."""
+        import flashinfer
+
+        b, h, k = self.b, self.h, self.k
+        ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        indptr = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+        kv_indptr, indices = indptr * k, self.topk.reshape(-1).contiguous()
+        lens = torch.full((b,), k, dtype=torch.int32, device="cuda")
+        if graph:
+            wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+                ws, True, indptr.clone(), kv_indptr.clone(), indices.clone(), lens.clone(), backend=backend
+            )
+        else:
+            wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
+        wrapper.plan(indptr, kv_indptr, indices, lens, h, DC, DR, 1, False, self.sm_scale, torch.bfloat16,
+                     torch.bfloat16)
+        out = torch.empty(b, h, DC, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(b, h, device="cuda", dtype=torch.float32)
+
+        def run(cache):
+            ckv, kpe = cache[:, :DC].unsqueeze(1), cache[:, DC:].unsqueeze(1)
+            return lambda: wrapper.run(self.q_nope, self.q_pe, ckv, kpe, out=out, lse=lse, return_lse=True)
+
+        return [run(c) for c in self.caches]
 
 
-def bench_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 2048), slots=1 << 20) -> list[dict]:
-    from dsa_dcp.kernels import sparse_mla_reference, sparse_mla_triton
+def _check_mla(name: str, got, ref, lse_base2: bool = False) -> None:
+    out, lse = got
+    if lse_base2:
+        lse = lse * 0.6931471805599453
+    rel = ((out.float() - ref[0].float()).norm() / ref[0].float().norm()).item()
+    assert rel < 2e-2, (name, rel)
+    torch.testing.assert_close(lse.float(), ref[1], rtol=1e-2, atol=1e-2)
+
+
+def _caches():
+    cache = torch.randn(SLOTS, DC + DR, device="cuda", dtype=torch.bfloat16)
+    scale = float(cache.abs().amax()) / 448.0
+    return {"bf16": (cache, None), "fp8": ((cache.float() / scale).to(torch.float8_e4m3fn), scale)}
+
+
+def bench_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 2048), kvs=("bf16", "fp8")) -> list[dict]:
+    from dsa_dcp.kernels import flashinfer_mla
 
     have_fi = importlib.util.find_spec("flashinfer") is not None
-    kv = torch.randn(slots, 576, device="cuda", dtype=torch.bfloat16)
-    scale = 192**-0.5
+    caches = _caches()
     rows = []
-    for h in heads:
-        for b in batches:
-            for k in ks:
-                q_nope = torch.randn(b, h, 512, device="cuda", dtype=torch.bfloat16)
-                q_pe = torch.randn(b, h, 64, device="cuda", dtype=torch.bfloat16)
-                topk = torch.stack([torch.randperm(slots, device="cuda")[:k] for _ in range(b)]).int()
-                ref_out, ref_lse = sparse_mla_reference(q_nope, q_pe, kv, topk, scale)
-                variants = {"triton": lambda: sparse_mla_triton(q_nope, q_pe, kv, topk, scale)}
-                if have_fi:
-                    for backend in ("fa2", "fa3"):
-                        variants[backend] = _flashinfer_runner(q_nope, q_pe, kv, topk, scale, backend)
-                moved = b * k * 576 * 2 + 2 * b * h * 576 * 2
-                row = {"kernel": "sparse_mla", "H": h, "B": b, "K": k, "kv": "bf16", "bytes": moved}
-                for name, fn in variants.items():
-                    out, lse = fn()
-                    if name != "triton":
-                        lse = lse * 0.6931471805599453
-                    rel = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
-                    assert rel < 2e-2, (name, rel)
-                    torch.testing.assert_close(lse.float(), ref_lse, rtol=1e-2, atol=1e-2)
-                    t = _median_us(fn)
-                    row[f"{name}_us"] = t
-                    row[f"{name}_GBps"] = moved / t / 1e3
-                if b == 1:
-                    row["triton_in_graph_us"] = _in_graph_us(variants["triton"])
-                best_fi = min((row[f"{x}_us"] for x in ("fa2", "fa3") if f"{x}_us" in row), default=None)
-                row["vs_best_flashinfer"] = best_fi / row["triton_us"] if best_fi else None
-                rows.append(row)
+    for kv, h, b, k in itertools.product(kvs, heads, batches, ks):
+        cache, scale = caches[kv]
+        case = MlaCase(cache, h, b, k, kv, scale)
+        ref = case.reference()
+        row = {"kernel": "sparse_mla", "H": h, "B": b, "K": k, "kv": kv, "bytes": case.bytes}
+        _check_mla("triton", case.triton()(), ref)
+        row["triton_us"] = _median_us(case.triton())
+        row["triton_graph_us"] = _in_graph_us([case.triton(v) for v in range(case.views)])
+        row["triton_GBps"] = case.bytes / row["triton_graph_us"] / 1e3
+        if have_fi and kv == "bf16":
+            for backend in ("fa2", "fa3"):
+                runs = case.flashinfer_runs(backend, graph=False)
+                _check_mla(backend, runs[0](), ref, lse_base2=True)
+                row[f"{backend}_us"] = _median_us(runs[0])
+                _try_in_graph_us(case.flashinfer_runs(backend, graph=True), row, f"{backend}_graph_us")
+                op = lambda: flashinfer_mla.sparse_mla_flashinfer(  # noqa: E731
+                    case.q_nope, case.q_pe, case.caches[0], case.topk, case.sm_scale, backend=backend
+                )
+                _check_mla(f"{backend} op", op(), ref)
+                row[f"{backend}_op_us"] = _median_us(op)
+            best = min((row[c] for c in ("fa2_graph_us", "fa3_graph_us") if row.get(c)), default=None)
+            row["best_fi_graph_over_triton_graph"] = best / row["triton_graph_us"] if best else None
+            best_eager = min(row["fa2_us"], row["fa3_us"])
+            row["best_fi_over_triton_eager"] = best_eager / row["triton_us"]
+        rows.append(row)
+        print(f"# {kv} H={h} B={b} K={k}: triton graph {row['triton_graph_us']:.1f} us", file=sys.stderr)
     return rows
+
+
+TILE_CANDIDATES = [
+    dict(block_h=bh, block_k=bk, num_warps=w, num_stages=st)
+    for bh in (16, 32, 64) for bk in (16, 32, 64) for w in (4, 8) for st in (1, 2)
+    if bh * bk <= 2048
+]  # fmt: skip
+
+
+def _split_candidates(b: int, h: int, k: int, block_h: int, block_k: int, sms: int) -> list[int]:
+    """No split, and the powers of two that make half a wave to two waves (at most one K tile each)."""
+    programs = b * math.ceil(h / block_h)
+    most = max(1, k // block_k)
+    waves = {1 << i for i in range(12) if sms / 2 <= programs * (1 << i) <= 2 * sms}
+    return sorted({1} | {min(most, s) for s in waves})
+
+
+def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 2048), kvs=("bf16", "fp8")) -> list[dict]:
+    """Per shape: the fastest Triton tiles in graph, then the fastest backend as the op (eager)."""
+    from dsa_dcp.kernels import flashinfer_mla
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    have_fi = importlib.util.find_spec("flashinfer") is not None
+    caches = _caches()
+    entries = []
+    for kv, h, b, k in itertools.product(kvs, heads, batches, ks):
+        cache, scale = caches[kv]
+        case = MlaCase(cache, h, b, k, kv, scale)
+        ref = case.reference()
+        best = None
+        for tiles in TILE_CANDIDATES:
+            for splits in _split_candidates(b, h, k, tiles["block_h"], tiles["block_k"], sms):
+                t = dict(tiles, num_splits=splits)
+                try:
+                    _check_mla("triton", case.triton(**t)(), ref)
+                    us = _in_graph_us([case.triton(v, **t) for v in range(case.views)], rep=20)
+                except Exception as e:  # a tile the compiler cannot fit (shared memory, registers)
+                    print(f"# skip {t}: {type(e).__name__}", file=sys.stderr)
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, t)
+        tiles = best[1]
+        times = {"triton": _median_us(case.triton(**tiles))}
+        if have_fi and kv == "bf16":
+            for backend in ("fa2", "fa3"):
+                op = lambda: flashinfer_mla.sparse_mla_flashinfer(  # noqa: E731
+                    case.q_nope, case.q_pe, case.caches[0], case.topk, case.sm_scale, backend=backend
+                )
+                _check_mla(f"{backend} op", op(), ref)
+                times[backend] = _median_us(op)
+        backend = min(times, key=times.get)
+        entries.append({"H": h, "B": b, "K": k, "kv": kv, "backend": backend, "tiles": tiles,
+                        "us": {"triton_graph": best[0], **{f"{n}_op": v for n, v in times.items()}}})
+        print(f"# tuned {kv} H={h} B={b} K={k}: {tiles} {best[0]:.1f} us in graph; op: "
+              + ", ".join(f"{n} {v:.1f}" for n, v in times.items()), file=sys.stderr)
+    return entries
+
+
+def _versions() -> dict:
+    import triton
+
+    v = {"torch": torch.__version__, "triton": triton.__version__}
+    if importlib.util.find_spec("flashinfer") is not None:
+        import flashinfer
+
+        v["flashinfer"] = flashinfer.__version__
+    return v
+
+
+COLUMNS = {
+    "topk_remap": ["B", "N", "K", "ours_us", "ours_graph_us", "torch_us", "torch_graph_us", "eager_speedup",
+                   "step_speedup", "graph_speedup"],
+    "lse_combine": ["B", "N", "H/N", "D", "ours_us", "ours_graph_us", "torch_us", "torch_graph_us",
+                    "eager_speedup", "step_speedup", "graph_speedup"],
+    "sparse_mla": ["kv", "H", "B", "K", "triton_us", "triton_graph_us", "triton_GBps", "fa2_us", "fa3_us",
+                   "fa2_graph_us", "fa3_graph_us", "fa2_op_us", "fa3_op_us", "best_fi_graph_over_triton_graph",
+                   "best_fi_over_triton_eager"],
+}  # fmt: skip
 
 
 def format_tables(rows: list[dict]) -> str:
     out = []
-    for kernel, cols in (
-        ("topk_remap", ["B", "N", "K", "ours_us", "torch_us", "speedup", "ours_in_graph_us"]),
-        ("lse_combine", ["B", "N", "H/N", "D", "ours_us", "torch_us", "speedup", "ours_in_graph_us"]),
-        ("sparse_mla", ["H", "B", "K", "kv", "triton_us", "triton_GBps", "fa2_us", "fa3_us", "vs_best_flashinfer",
-                        "triton_in_graph_us"]),
-    ):
+    for kernel, cols in COLUMNS.items():
         sel = [r for r in rows if r["kernel"] == kernel]
         if not sel:
             continue
@@ -149,12 +310,32 @@ def format_tables(rows: list[dict]) -> str:
                 v = r.get(c)
                 cells.append("-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v)))
             out.append("| " + " | ".join(cells) + " |")
+    errors = sorted({f"{k}: {v}" for r in rows for k, v in r.items() if k.endswith("_error")})
+    out += [f"\nnot captured: {e}" for e in errors]
     return "\n".join(out)
 
 
 def main(args) -> int:
     torch.manual_seed(0)
-    rows = bench_remap() + bench_combine() + bench_sparse_mla()
+    only = set(args.only or ("remap", "combine", "mla"))
+    if args.tune:
+        entries = tune_sparse_mla()
+        table = {"device": torch.cuda.get_device_name(), "versions": _versions(),
+                 "command": "dsa-dcp " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "entries": entries}
+        text = json.dumps(table, indent=1)
+        print(text)
+        if args.write_table:
+            with open(args.write_table, "w") as f:
+                f.write(text + "\n")
+        return 0
+    rows = []
+    if "remap" in only:
+        rows += bench_remap()
+    if "combine" in only:
+        rows += bench_combine()
+    if "mla" in only:
+        rows += bench_sparse_mla()
+    print(f"device {torch.cuda.get_device_name()}, {_versions()}")
     print(format_tables(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -6,7 +6,7 @@ Contract (both implementations):
 
 ``lse = logsumexp_r lse_r`` and ``out = sum_r exp(lse_r - lse) * out_r``, accumulated in fp32
 (natural-log LSE). A shard whose LSE is ``-inf``, ``+inf`` or NaN is empty: weight 0, its ``out``
-is never read (it may hold NaN). When every shard of a ``(b, h)`` is empty (or ``N == 0``) the
+is ignored (it may hold NaN or inf). When every shard of a ``(b, h)`` is empty (or ``N == 0``) the
 result is ``out = 0``, ``lse = -inf``. Empty shards never make a NaN.
 """
 
@@ -69,44 +69,53 @@ def _lse_combine_kernel(
     N,
     BH,
     D,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """Grid (B*H, ceil(D / BLOCK_D)): all N shards of one (b, h) and D tile at once, no loop.
+
+    The N LSEs and the [N, BLOCK_D] tile of partial outputs are loaded together (one round trip
+    to memory each, and the second does not wait for the first), then reduced in registers.
+    """
     bh = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_d = offs_d < D
-    # one pass over the shards with a running max, as in online softmax
-    m = -float("inf")
-    total = 0.0
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for r in range(N):
-        shard = r * BH + bh
-        lse_r = tl.load(lse_ptr + shard).to(tl.float32)
-        valid = (lse_r > -float("inf")) & (lse_r < float("inf"))  # False for NaN too
-        lse_r = tl.where(valid, lse_r, -float("inf"))
-        m_new = tl.maximum(m, lse_r)
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)  # 0 while nothing valid was seen
-        w = tl.exp(lse_r - m_safe)  # 0 for an empty shard
-        # an empty shard's out is not even read, so NaN in it cannot leak
-        # (tl.where, not `in_d & valid`: the interpreter cannot `&` a block with a scalar)
-        o = tl.load(out_ptr + shard * D + offs_d, mask=tl.where(valid, in_d, False), other=0.0).to(tl.float32)
-        acc = acc * alpha + w * o
-        total = total * alpha + w
-        m = m_new
+    offs_n = tl.arange(0, BLOCK_N)
+    in_n = offs_n < N
+    shard = offs_n.to(tl.int64) * BH + bh
+    lse = tl.load(lse_ptr + shard, mask=in_n, other=-float("inf")).to(tl.float32)
+    o = tl.load(out_ptr + shard[:, None] * D + offs_d[None, :], mask=in_n[:, None] & in_d[None, :], other=0.0)
+    valid = (lse > -float("inf")) & (lse < float("inf"))  # False for NaN too
+    lse = tl.where(valid, lse, -float("inf"))
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == -float("inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)  # 0 for an empty shard
+    total = tl.sum(w, axis=0)
+    # an empty shard's out is selected away (not multiplied by 0), so NaN or inf in it cannot leak
+    o = tl.where(valid[:, None], o.to(tl.float32), 0.0)
+    acc = tl.sum(w[:, None] * o, axis=0)
     has = total > 0.0
     denom = tl.where(has, total, 1.0)
     tl.store(res_ptr + bh * D + offs_d, (acc / denom).to(res_ptr.dtype.element_ty), mask=in_d)
-    if pid_d == 0:
+    if tl.program_id(1) == 0:
         tl.store(res_lse_ptr + bh, tl.where(has, m + tl.log(denom), -float("inf")))
+
+
+def _default_block_d(N: int, BH: int, D: int) -> int:
+    """D tile: the whole row when there are (b, h) pairs enough, else smaller tiles for more programs.
+
+    The [N, BLOCK_D] tile is capped at 8192 elements (64 fp32 registers a thread at 4 warps).
+    """
+    block = min(next_pow2(D), 1024, max(8192 // next_pow2(N), 16))
+    return block if BH >= 128 else min(block, 128)
 
 
 def lse_combine_triton(
     out: torch.Tensor, lse: torch.Tensor, *, block_d: int | None = None, out_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton LSE combine; grid (B*H, ceil(D / BLOCK_D)), a loop over N (see module docstring).
+    """Triton LSE combine; grid (B*H, ceil(D / BLOCK_D)), all N shards in one tile (see module docstring).
 
-    ``block_d`` (a power of two) overrides the D tile (default: up to 1024, so D = 576 is one tile).
+    ``block_d`` (a power of two) overrides the D tile (default: see ``_default_block_d``).
     ``out_dtype`` overrides the result dtype (sparse MLA's split-K merges fp32 partials into the
     query dtype this way).
     """
@@ -121,11 +130,13 @@ def lse_combine_triton(
         res, res_lse = _empty_result(out)
         return res.to(res_dtype), res_lse
     check_launchable(_lse_combine_kernel, out, lse)
-    block = block_d or min(next_pow2(D), 1024)
+    block = block_d or _default_block_d(N, B * H, D)
     if block & (block - 1):
         raise ValueError(f"{_OP}: block_d must be a power of two, got {block}")
     res = torch.empty((B, H, D), dtype=res_dtype, device=out.device)
     res_lse = torch.empty((B, H), dtype=torch.float32, device=out.device)
     grid = (B * H, max(1, triton.cdiv(D, block)))
-    _lse_combine_kernel[grid](out.contiguous(), lse.contiguous(), res, res_lse, N, B * H, D, BLOCK_D=block)
+    _lse_combine_kernel[grid](
+        out.contiguous(), lse.contiguous(), res, res_lse, N, B * H, D, BLOCK_N=next_pow2(N), BLOCK_D=block
+    )
     return res, res_lse

@@ -2,8 +2,8 @@
 
 Contract (both implementations):
 
-``sparse_mla(q_nope[B, H, Dc], q_pe[B, H, Dr], kv[S, Dc + Dr], topk[B, K] int32|int64, sm_scale)
--> (out[B, H, Dc] (dtype of q_nope), lse[B, H] float32)``
+``sparse_mla(q_nope[B, H, Dc], q_pe[B, H, Dr], kv[S, Dc + Dr], topk[B, K] int32|int64, sm_scale,
+kv_scale=None) -> (out[B, H, Dc] (dtype of q_nope), lse[B, H] float32)``
 
 For each row ``b`` and head ``h``: ``score_j = sm_scale * (q_nope[b, h] . kv[j, :Dc] + q_pe[b, h] .
 kv[j, Dc:])`` over the entries ``j`` of ``topk[b]`` that are ``>= 0`` (negative entries are
@@ -12,6 +12,12 @@ kv[j, :Dc]`` and ``lse = log(sum_j exp(score_j))`` (natural log). Accumulated in
 kernel's tensor-core dots take bf16/fp16 operands for such inputs, P included). A row with no
 valid entry gives ``out = 0`` and ``lse = -inf``, never NaN. An entry ``>= S`` is a contract
 violation: the reference raises, the Triton kernel skips it rather than read out of bounds.
+
+FP8 KV: ``kv`` may be ``float8_e4m3fn`` with one per-tensor fp32 ``kv_scale`` (every column,
+latent and rope alike, is stored as ``kv_real / kv_scale`` rounded to E4M3; 576 bytes a token at
+Dc + Dr = 576). The kernel reads the FP8 bytes, widens them to the query dtype in registers and
+applies the scale once to the scores and once to the output, so no dequantized copy exists.
+``kv_scale`` is required for FP8 KV and refused for any other KV dtype.
 """
 
 from __future__ import annotations
@@ -30,15 +36,26 @@ from ._common import (
     last_dim_contiguous,
     next_pow2,
 )
+from . import dispatch
 from .lse_combine import lse_combine_triton
 
 _OP = "sparse_mla"
 
 
-def _check(q_nope, q_pe, kv, topk, sm_scale) -> None:
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+
+
+def _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale=None) -> None:
     check_float(_OP, "q_nope", q_nope, 3)
     check_float(_OP, "q_pe", q_pe, 3)
     check_float(_OP, "kv", kv, 2)
+    if kv.dtype in FP8_KV_DTYPES:
+        if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)) or not kv_scale > 0:
+            raise ValueError(f"{_OP}: FP8 kv needs a positive Python float kv_scale, got {kv_scale!r}")
+        if q_nope.dtype in FP8_KV_DTYPES or q_pe.dtype in FP8_KV_DTYPES:
+            raise ValueError(f"{_OP}: queries must be fp32, bf16 or fp16 (FP8 is for the KV cache only)")
+    elif kv_scale is not None:
+        raise ValueError(f"{_OP}: kv_scale is only for FP8 kv, got kv dtype {kv.dtype}")
     check_index(_OP, "topk", topk, 2)
     B, H, Dc = q_nope.shape
     if tuple(q_pe.shape[:2]) != (B, H):
@@ -59,18 +76,21 @@ def sparse_mla_reference(
     kv: torch.Tensor,
     topk: torch.Tensor,
     sm_scale: float,
+    kv_scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch sparse MLA (see module docstring): gather, masked dense softmax. No host sync.
 
     ``compute_dtype`` (fp32 by default, fp64 for tests) is the arithmetic precision; the LSE is
-    returned as float32 either way.
+    returned as float32 either way. FP8 KV is dequantized (``* kv_scale``) after the gather.
     """
-    _check(q_nope, q_pe, kv, topk, sm_scale)
+    _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
     Dc = q_nope.shape[2]
     idx = topk.to(torch.int64)
     valid = idx >= 0  # [B, K]
     rows = kv[idx.clamp(min=0)].to(compute_dtype)  # [B, K, Dc + Dr]
+    if kv_scale is not None:
+        rows = rows * kv_scale
     # skipped entries gathered row 0: zero them, or a NaN/inf there (an unwritten cache row)
     # would leak through 0 * NaN into the output
     rows = torch.where(valid[..., None], rows, torch.zeros((), dtype=compute_dtype, device=rows.device))
@@ -107,7 +127,8 @@ def _sparse_mla_kernel(
     K,
     S,
     SPLIT_LEN,
-    sm_scale,
+    score_scale,
+    out_scale,
     stride_qn_b,
     stride_qn_h,
     stride_qp_b,
@@ -123,6 +144,7 @@ def _sparse_mla_kernel(
     USE_DOT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -135,18 +157,25 @@ def _sparse_mla_kernel(
     offs_dr = tl.arange(0, BLOCK_DR)
     in_dr = offs_dr < DR
 
-    # fp32 right after loading: the interpreter's bf16 arithmetic is wrong; on GPU the dot
-    # operands go back to DOT_DTYPE (exact for bf16/fp16 inputs)
+    # UPCAST (the interpreter, whose bf16 arithmetic is wrong): fp32 right after every load.
+    # On the GPU, tiles go straight to the dot dtype (a no-op for bf16/fp16; FP8 KV is widened
+    # in registers here, its scale applied to the scores and the output, never per element).
     qn = tl.load(
         q_nope_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_dc[None, :],
         mask=in_h[:, None] & in_dc[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
     qp = tl.load(
         q_pe_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_dr[None, :],
         mask=in_h[:, None] & in_dr[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
+    if UPCAST:
+        qn = qn.to(tl.float32)
+        qp = qp.to(tl.float32)
+    else:
+        qn = qn.to(DOT_DTYPE)
+        qp = qp.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -156,10 +185,14 @@ def _sparse_mla_kernel(
         idx = tl.load(topk_ptr + b * stride_topk + offs_k, mask=offs_k < k_end, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < S)
         kv_row = kv_ptr + tl.where(valid, idx, 0) * stride_kv
-        kc = tl.load(kv_row[:, None] + offs_dc[None, :], mask=valid[:, None] & in_dc[None, :], other=0.0).to(tl.float32)
-        kr = tl.load(kv_row[:, None] + DC + offs_dr[None, :], mask=valid[:, None] & in_dr[None, :], other=0.0).to(
-            tl.float32
-        )
+        kc = tl.load(kv_row[:, None] + offs_dc[None, :], mask=valid[:, None] & in_dc[None, :], other=0.0)
+        kr = tl.load(kv_row[:, None] + DC + offs_dr[None, :], mask=valid[:, None] & in_dr[None, :], other=0.0)
+        if UPCAST:
+            kc = kc.to(tl.float32)
+            kr = kr.to(tl.float32)
+        else:
+            kc = kc.to(DOT_DTYPE)
+            kr = kr.to(DOT_DTYPE)
         if USE_DOT and DOT_IEEE:  # fp32 inputs: full fp32 products, not tf32
             s = tl.dot(qn, tl.trans(kc), input_precision="ieee")
             s += tl.dot(qp, tl.trans(kr), input_precision="ieee")
@@ -168,7 +201,7 @@ def _sparse_mla_kernel(
             s += tl.dot(qp.to(DOT_DTYPE), tl.trans(kr.to(DOT_DTYPE)))
         else:
             s = tl.sum(qn[:, None, :] * kc[None, :, :], axis=2) + tl.sum(qp[:, None, :] * kr[None, :, :], axis=2)
-        s = tl.where(valid[None, :], s * sm_scale, -float("inf"))
+        s = tl.where(valid[None, :], s * score_scale, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no (-inf) - (-inf) before a valid key
         alpha = tl.exp(m_i - m_safe)
@@ -185,7 +218,7 @@ def _sparse_mla_kernel(
 
     has = l_i > 0.0
     denom = tl.where(has, l_i, 1.0)
-    out = acc / denom[:, None]  # acc is 0 for a row without keys
+    out = acc * (out_scale / denom)[:, None]  # acc is 0 for a row without keys
     # out is [splits, B, H, DC] and lse [splits, B, H]: the layout lse_combine merges
     out_row = (split.to(tl.int64) * B + b) * H + offs_h
     tl.store(
@@ -235,10 +268,12 @@ def sparse_mla_triton(
     kv: torch.Tensor,
     topk: torch.Tensor,
     sm_scale: float,
+    kv_scale: float | None = None,
     *,
     block_h: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton sparse MLA decode (see module docstring); grid (B, ceil(H / BLOCK_H), splits).
@@ -250,11 +285,12 @@ def sparse_mla_triton(
     range of K, writes an fp32 partial ``(out, lse)``, and :func:`lse_combine_triton` merges the
     splits; by default K is split only when ``B * ceil(H / block_h)`` programs would not fill the
     GPU. Any H, K, Dc, Dr (Dc and Dr are padded to powers of two). ``q_nope``/``q_pe``/``kv`` may
-    be views with a unit last stride (the KV cache is never copied). No host sync.
+    be views with a unit last stride (the KV cache is never copied). FP8 KV (``kv_scale``) is
+    read as FP8 and widened in registers. No host sync.
     """
-    _check(q_nope, q_pe, kv, topk, sm_scale)
+    _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv", kv)):
-        if t.dtype not in TRITON_FLOAT_DTYPES:
+        if t.dtype not in TRITON_FLOAT_DTYPES + (FP8_KV_DTYPES if name == "kv" else ()):
             raise ValueError(f"{_OP}: {name} dtype must be one of {list(TRITON_FLOAT_DTYPES)}, got {t.dtype}")
     B, H, Dc = q_nope.shape
     Dr = q_pe.shape[2]
@@ -264,8 +300,16 @@ def sparse_mla_triton(
         out = torch.zeros((B, H, Dc), dtype=q_nope.dtype, device=device)
         return out, torch.full((B, H), float("-inf"), dtype=torch.float32, device=device)
     check_launchable(_sparse_mla_kernel, q_nope, q_pe, kv, topk)
+    tiles = {}
+    if device.type == "cuda" and all(v is None for v in (block_h, block_k, num_warps, num_stages, num_splits)):
+        choice = dispatch.choose(H, B, K, kv.dtype, device)  # tiles measured for this shape, if any
+        tiles = choice.tiles if choice is not None else {}
     tile_h, tile_k, warps = _default_tiles(B, H, device)
-    bh, bk, warps = block_h or tile_h, block_k or tile_k, num_warps or warps
+    bh = block_h or tiles.get("block_h") or tile_h
+    bk = block_k or tiles.get("block_k") or tile_k
+    warps = num_warps or tiles.get("num_warps") or warps
+    num_stages = num_stages or tiles.get("num_stages")
+    num_splits = num_splits or tiles.get("num_splits")
     for name, v in (("block_h", bh), ("block_k", bk)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{_OP}: {name} must be a power of two, got {v}")
@@ -279,11 +323,14 @@ def sparse_mla_triton(
     # tl.dot wants every dim >= 16
     block_dc = max(next_pow2(Dc), 16 if use_dot else 1)
     block_dr = max(next_pow2(Dr), 16 if use_dot else 1)
-    same = q_nope.dtype == q_pe.dtype == kv.dtype
-    if is_interpreted(_sparse_mla_kernel) or not same or q_nope.dtype == torch.float32:
+    # tensor-core operands in the query dtype when the KV matches it (or is FP8, widened to it)
+    same = q_nope.dtype == q_pe.dtype and (kv.dtype == q_nope.dtype or kv.dtype in FP8_KV_DTYPES)
+    interpreted = is_interpreted(_sparse_mla_kernel)
+    if interpreted or not same or q_nope.dtype == torch.float32:
         dot_dtype = tl.float32
     else:
         dot_dtype = _TL_DTYPES[q_nope.dtype]
+    scale = 1.0 if kv_scale is None else float(kv_scale)
     q_nope = last_dim_contiguous(q_nope)
     q_pe = last_dim_contiguous(q_pe)
     kv = last_dim_contiguous(kv)
@@ -295,11 +342,11 @@ def sparse_mla_triton(
     lse = torch.empty(lead + (B, H), dtype=torch.float32, device=device)
     _sparse_mla_kernel[(B, head_blocks, splits)](
         q_nope, q_pe, kv, topk, out, lse,
-        B, H, K, kv.shape[0], split_len, float(sm_scale),
+        B, H, K, kv.shape[0], split_len, float(sm_scale) * scale, scale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), topk.stride(0),
         DC=Dc, DR=Dr, BLOCK_H=bh, BLOCK_K=bk, BLOCK_DC=block_dc, BLOCK_DR=block_dr,
-        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32),
-        num_warps=warps,
+        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32), UPCAST=interpreted,
+        num_warps=warps, num_stages=num_stages or 3,
     )  # fmt: skip
     if splits == 1:
         return out, lse

@@ -57,45 +57,71 @@ def topk_remap_reference(
 
 
 @triton.jit
+def _owned(s, DCP_SIZE: tl.constexpr, RANK, INTERLEAVE: tl.constexpr):
+    """(keep, local row) of the slots ``s``; negative (or masked, loaded as -1) slots are not kept."""
+    valid = s >= 0
+    s = tl.where(valid, s, 0)  # integer // and % are only floor-exact for s >= 0
+    keep = valid & ((s // INTERLEAVE) % DCP_SIZE == RANK)
+    return keep, (s // (DCP_SIZE * INTERLEAVE)) * INTERLEAVE + s % INTERLEAVE
+
+
+@triton.jit
 def _topk_remap_kernel(
     topk_ptr,
     local_ptr,
     count_ptr,
     K,
-    DCP_SIZE,
     RANK,
-    INTERLEAVE,
+    DCP_SIZE: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """Grid (B, ceil(K / BLOCK_K)): program (b, j) compacts columns [j*BLOCK_K, (j+1)*BLOCK_K) of row b.
+
+    Every program reads the whole row (ROW_BLOCK >= K, one load, no loop) to learn how many
+    entries before its block are kept and how many the row keeps in all, so the programs of one
+    row need no communication. Slot arithmetic stays in the top-k dtype (int32 for int32 top-k)
+    and N and I are compile-time constants, so // and % by powers of two are shifts and masks.
+    """
     row = tl.program_id(0).to(tl.int64)
+    k_start = tl.program_id(1) * BLOCK_K
     base = row * K
-    kept = 0
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        in_row = offs < K
-        s = tl.load(topk_ptr + base + offs, mask=in_row, other=-1).to(tl.int64)
-        valid = in_row & (s >= 0)
-        s = tl.where(valid, s, 0)  # integer // and % below are only floor-exact for s >= 0
-        keep = valid & ((s // INTERLEAVE) % DCP_SIZE == RANK)
-        lrow = (s // (DCP_SIZE * INTERLEAVE)) * INTERLEAVE + s % INTERLEAVE
-        keep_i = keep.to(tl.int32)
-        # exclusive prefix sum of the keep mask, shifted by what earlier blocks kept
-        pos = kept + tl.cumsum(keep_i, axis=0) - keep_i
-        tl.store(local_ptr + base + pos, lrow.to(tl.int32), mask=keep)
-        kept += tl.sum(keep_i, axis=0)
-    # the tail: columns [kept, K) are -1 (disjoint from the columns written above)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        tl.store(local_ptr + base + offs, tl.full([BLOCK_K], -1, tl.int32), mask=(offs < K) & (offs >= kept))
-    tl.store(count_ptr + row, kept)
+    offs = k_start + tl.arange(0, BLOCK_K)
+    s = tl.load(topk_ptr + base + offs, mask=offs < K, other=-1)
+    keep, lrow = _owned(s, DCP_SIZE, RANK, INTERLEAVE)
+    keep_i = keep.to(tl.int32)
+    if ROW_BLOCK == BLOCK_K:  # one program per row
+        before = 0
+        total = tl.sum(keep_i, axis=0)
+    else:
+        offs_row = tl.arange(0, ROW_BLOCK)
+        keep_row, _ = _owned(tl.load(topk_ptr + base + offs_row, mask=offs_row < K, other=-1), DCP_SIZE, RANK, INTERLEAVE)
+        keep_row = keep_row.to(tl.int32)
+        before = tl.sum(tl.where(offs_row < k_start, keep_row, 0), axis=0)
+        total = tl.sum(keep_row, axis=0)
+    # kept entries go to [before, before + kept here) in order; this block's columns past the
+    # row's total are the -1 tail (the two sets of columns written are disjoint across programs)
+    pos = before + tl.cumsum(keep_i, axis=0) - keep_i
+    tl.store(local_ptr + base + pos, lrow.to(tl.int32), mask=keep)
+    tl.store(local_ptr + base + offs, tl.full([BLOCK_K], -1, tl.int32), mask=(offs < K) & (offs >= total))
+    if tl.program_id(1) == 0:
+        tl.store(count_ptr + row, total)
+
+
+def _default_block(B: int, K: int) -> int:
+    """Columns per program: a whole row when there are rows enough to fill the GPU, else split."""
+    row = next_pow2(K)
+    return row if B >= 32 else min(row, 512)
 
 
 def topk_remap_triton(
-    topk: torch.Tensor, dcp_size: int, rank: int, interleave: int = 1, *, block_k: int | None = None
+    topk: torch.Tensor, dcp_size: int, rank: int, interleave: int = 1, *, block_k: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton top-k remap, one program per row (see module docstring). No host sync.
+    """Triton top-k remap; grid (B, ceil(K / block_k)) (see module docstring). No host sync.
 
-    ``block_k`` (a power of two) overrides the K tile; the default covers up to 1024 entries a step.
+    ``block_k`` (a power of two) overrides the columns per program; ``num_warps`` the warps.
     """
     _check(topk, dcp_size, rank, interleave)
     B, K = topk.shape
@@ -105,8 +131,13 @@ def topk_remap_triton(
         local.fill_(-1)
         return local, count
     check_launchable(_topk_remap_kernel, topk)
-    block = block_k or min(next_pow2(K), 1024)
+    row_block = next_pow2(K)
+    block = min(block_k or _default_block(B, K), row_block)
     if block & (block - 1):
         raise ValueError(f"{_OP}: block_k must be a power of two, got {block}")
-    _topk_remap_kernel[(B,)](topk.contiguous(), local, count, K, dcp_size, rank, interleave, BLOCK_K=block)
+    _topk_remap_kernel[(B, triton.cdiv(K, block))](
+        topk.contiguous(), local, count, K, rank,
+        DCP_SIZE=dcp_size, INTERLEAVE=interleave, ROW_BLOCK=row_block, BLOCK_K=block,
+        num_warps=num_warps or 4,
+    )  # fmt: skip
     return local, count

@@ -35,8 +35,9 @@ def _is_static(t: object) -> bool:
 
 
 class _Captured:
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list, outputs, kernels: int | None):
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list, copied: list[int], outputs, kernels: int | None):
         self.graph, self.inputs, self.outputs, self.kernels = graph, inputs, outputs, kernels
+        self.copied = copied  # positions of the inputs copied in before each replay
 
 
 def count_kernels(fn: Callable, args: Sequence) -> int:
@@ -57,25 +58,33 @@ class CudaGraphStep:
         self.fn = fn
         self.max_rows = max(batch_sizes)
         self.static = [_is_static(t) for t in example_inputs]
+        # only these positions can change between calls; the per-call Python work loops over them
+        self.varying = [i for i, static in enumerate(self.static) if not static]
         self.count = count
         self.graphs: dict[tuple, _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.uncaptured_calls = 0
 
     def _signature(self, args: Sequence) -> tuple:
-        return tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args)
+        return tuple(
+            (tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
+            for a in (args[i] for i in self.varying)
+        )
 
     def _capturable(self, args: Sequence) -> bool:
         return all(
-            not isinstance(a, torch.Tensor) or static or a.dim() == 0 or a.shape[0] <= self.max_rows
-            for a, static in zip(args, self.static)
+            not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] <= self.max_rows
+            for a in (args[i] for i in self.varying)
         )
 
     def kernels_per_step(self) -> dict[tuple, int | None]:
         return {sig: c.kernels for sig, c in self.graphs.items()}
 
     def _capture(self, args: list) -> _Captured:
-        inputs = [a if static or not isinstance(a, torch.Tensor) else a.clone() for a, static in zip(args, self.static)]
+        copied = [i for i in self.varying if isinstance(args[i], torch.Tensor)]
+        inputs = list(args)
+        for i in copied:
+            inputs[i] = args[i].clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -87,7 +96,7 @@ class CudaGraphStep:
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = self.fn(*inputs)
         log.debug("captured a CUDA graph for %s (%s kernels)", self._signature(args), kernels)
-        return _Captured(graph, inputs, outputs, kernels)
+        return _Captured(graph, inputs, copied, outputs, kernels)
 
     def __call__(self, *args):
         if not self._capturable(args):
@@ -97,8 +106,9 @@ class CudaGraphStep:
         captured = self.graphs.get(sig)
         if captured is None:
             captured = self.graphs[sig] = self._capture(list(args))
-        for buf, a, static in zip(captured.inputs, args, self.static):
-            if not static and isinstance(a, torch.Tensor) and buf.data_ptr() != a.data_ptr():
+        for i in captured.copied:
+            buf, a = captured.inputs[i], args[i]
+            if buf.data_ptr() != a.data_ptr():
                 buf.copy_(a)
         captured.graph.replay()
         outputs = captured.outputs

@@ -1,0 +1,105 @@
+"""Which ``sparse_mla`` backend, and which Triton tiles, to use for a shape: from a measured table.
+
+``dsa-dcp bench kernels --tune --write-table PATH`` times every Triton tile candidate and each
+FlashInfer backend per shape on the machine it runs on and writes the winners as JSON::
+
+    {"device": "NVIDIA H200", "versions": {...}, "command": "...",
+     "entries": [{"H": 64, "B": 1, "K": 2048, "kv": "bf16", "backend": "triton",
+                  "tiles": {"block_h": 64, "block_k": 32, "num_warps": 8, "num_stages": 2,
+                            "num_splits": 16}, "us": {...}}, ...]}
+
+The table shipped with the package (``sparse_mla_table.json``) was measured on one H200;
+``DSA_DCP_SPARSE_MLA_TABLE`` points at another file. A table is only used on the device it was
+measured on (same ``torch.cuda.get_device_name()``); elsewhere, and for head counts or KV dtypes
+it does not list, :func:`choose` returns ``None`` and the callers fall back to their heuristics.
+A shape between measured ones takes the entry of the nearest measured batch and top-k at or
+above it (the largest measured, past the end).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TABLE_PATH = Path(__file__).with_name("sparse_mla_table.json")
+ENV = "DSA_DCP_SPARSE_MLA_TABLE"
+BACKENDS = ("triton", "fa2", "fa3")
+TILE_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "num_splits")
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str  # one of BACKENDS
+    tiles: dict  # Triton launch parameters (TILE_KEYS), used when the Triton kernel runs
+
+
+def kv_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+            torch.float8_e4m3fn: "fp8"}.get(dtype, str(dtype))  # fmt: skip
+
+
+def validate_table(table: dict, where: str) -> dict:
+    """Refuse a malformed table with a message naming the file and the entry."""
+    if not isinstance(table, dict) or not isinstance(table.get("entries"), list) or "device" not in table:
+        raise ValueError(f"{where}: a sparse_mla table needs 'device' and a list of 'entries'")
+    for i, e in enumerate(table["entries"]):
+        missing = [k for k in ("H", "B", "K", "kv", "backend", "tiles") if k not in e]
+        if missing:
+            raise ValueError(f"{where}: entry {i} lacks {missing}")
+        if e["backend"] not in BACKENDS:
+            raise ValueError(f"{where}: entry {i} has backend {e['backend']!r}, not one of {BACKENDS}")
+        bad = [k for k in e["tiles"] if k not in TILE_KEYS]
+        if bad:
+            raise ValueError(f"{where}: entry {i} has unknown tile keys {bad}")
+    return table
+
+
+@functools.cache
+def load_table(path: str | None = None) -> dict | None:
+    """The table at ``path`` (default: ``$DSA_DCP_SPARSE_MLA_TABLE``, else the shipped one)."""
+    p = Path(path or os.environ.get(ENV) or TABLE_PATH)
+    if not p.exists():
+        if path or os.environ.get(ENV):
+            raise FileNotFoundError(f"sparse_mla table {p} does not exist")
+        return None
+    return validate_table(json.loads(p.read_text()), str(p))
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _nearest_at_or_above(values: list[int], x: int) -> int:
+    above = [v for v in values if v >= x]
+    return min(above) if above else max(values)
+
+
+def lookup(table: dict, device_name: str, H: int, B: int, K: int, kv: str) -> Choice | None:
+    """The table's choice for a shape measured on ``device_name`` (``kv`` as :func:`kv_name` spells it)."""
+    if table["device"] != device_name:
+        return None
+    rows = [e for e in table["entries"] if e["H"] == H and e["kv"] == kv]
+    if not rows:
+        return None
+    b = _nearest_at_or_above(sorted({e["B"] for e in rows}), B)
+    rows = [e for e in rows if e["B"] == b]
+    k = _nearest_at_or_above(sorted({e["K"] for e in rows}), K)
+    entry = next(e for e in rows if e["K"] == k)
+    return Choice(entry["backend"], dict(entry["tiles"]))
+
+
+def choose(H: int, B: int, K: int, kv_dtype: torch.dtype, device: torch.device) -> Choice | None:
+    """The measured choice for this shape on this device, or ``None`` when there is none."""
+    if device.type != "cuda":
+        return None
+    table = load_table()
+    if table is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return lookup(table, _device_name(index), H, B, K, kv_name(kv_dtype))

@@ -1,0 +1,88 @@
+"""The measured sparse_mla dispatch table: lookup rules and refusal of malformed tables."""
+
+import json
+
+import pytest
+import torch
+
+from dsa_dcp.kernels import dispatch
+
+TILES = {"block_h": 64, "block_k": 32, "num_warps": 8, "num_stages": 2, "num_splits": 4}
+
+
+def _table(device="GPU-X"):
+    entries = []
+    for b in (1, 8, 128):
+        for k in (512, 2048):
+            backend = "fa3" if (b, k) == (8, 2048) else "triton"
+            entries.append({"H": 64, "B": b, "K": k, "kv": "bf16", "backend": backend,
+                            "tiles": dict(TILES, num_splits=b * 1000 + k)})
+    entries.append({"H": 64, "B": 1, "K": 512, "kv": "fp8", "backend": "triton", "tiles": dict(TILES, num_splits=7)})
+    return {"device": device, "entries": entries}
+
+
+@pytest.mark.parametrize("B,K,expect", [
+    (1, 512, 1512),  # exact
+    (2, 300, 8512),  # between batches: the next measured batch at or above; top-k likewise
+    (8, 1024, 10048),  # K between 512 and 2048 -> 2048's entry (measured B = 8)
+    (500, 4096, 130048),  # past the end: the largest measured
+])  # fmt: skip
+def test_lookup_takes_nearest_measured_at_or_above(B, K, expect):
+    choice = dispatch.lookup(_table(), "GPU-X", 64, B, K, "bf16")
+    assert choice.tiles["num_splits"] == expect
+    assert choice.backend == ("fa3" if expect == 10048 else "triton")
+
+
+def test_lookup_only_on_the_measured_device_heads_and_dtype():
+    t = _table()
+    assert dispatch.lookup(t, "GPU-Y", 64, 1, 512, "bf16") is None
+    assert dispatch.lookup(t, "GPU-X", 128, 1, 512, "bf16") is None
+    assert dispatch.lookup(t, "GPU-X", 64, 1, 512, "fp16") is None
+    assert dispatch.lookup(t, "GPU-X", 64, 1, 512, "fp8").tiles["num_splits"] == 7
+
+
+def test_choose_is_none_off_cuda():
+    assert dispatch.choose(64, 1, 512, torch.bfloat16, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda t: t.pop("device"), "needs 'device'"),
+    (lambda t: t["entries"][0].pop("tiles"), r"entry 0 lacks \['tiles'\]"),
+    (lambda t: t["entries"][1].update(backend="cutlass"), "entry 1 has backend 'cutlass'"),
+    (lambda t: t["entries"][2]["tiles"].update(block_m=4), r"entry 2 has unknown tile keys \['block_m'\]"),
+])  # fmt: skip
+def test_malformed_table_is_refused(tmp_path, monkeypatch, mutate, match):
+    t = _table()
+    mutate(t)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(t))
+    monkeypatch.setenv(dispatch.ENV, str(path))
+    dispatch.load_table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=match):
+            dispatch.load_table()
+    finally:
+        dispatch.load_table.cache_clear()
+
+
+def test_table_from_env_and_missing_file(tmp_path, monkeypatch):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(_table()))
+    monkeypatch.setenv(dispatch.ENV, str(path))
+    dispatch.load_table.cache_clear()
+    try:
+        assert dispatch.load_table()["device"] == "GPU-X"
+        monkeypatch.setenv(dispatch.ENV, str(tmp_path / "nope.json"))
+        dispatch.load_table.cache_clear()
+        with pytest.raises(FileNotFoundError, match="nope.json does not exist"):
+            dispatch.load_table()
+    finally:
+        dispatch.load_table.cache_clear()
+
+
+def test_shipped_table_is_well_formed():
+    """The table shipped with the package (if any) passes the same checks the loader makes."""
+    if not dispatch.TABLE_PATH.exists():
+        pytest.skip("no table shipped")
+    t = dispatch.validate_table(json.loads(dispatch.TABLE_PATH.read_text()), str(dispatch.TABLE_PATH))
+    assert t["entries"], "an empty table"
