@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 
 import torch
 
@@ -102,7 +103,13 @@ def bench_case(n: int, b: int, heads_per_rank: int, d: int = 512, dtype=torch.bf
 
 
 def run_merge_bench(ns=(2, 4, 8), batches=(1, 8, 32, 128), heads: int = 64) -> list[dict]:
-    return [bench_case(n, b, heads // n) for n in ns for b in batches]
+    rows = []
+    for b in sorted(batches):
+        for n in ns:
+            rows.append(bench_case(n, b, heads // n))
+            print(f"# N={n} B={b}: fused {rows[-1]['fused_us']:.1f} us, unfused {rows[-1]['unfused_us']:.1f} us",
+                  file=sys.stderr, flush=True)
+    return rows
 
 
 def format_merge_table(rows: list[dict]) -> str:

@@ -157,7 +157,8 @@ def _sparse_mla_kernel(
     offs_dr = tl.arange(0, BLOCK_DR)
     in_dr = offs_dr < DR
 
-    # UPCAST (the interpreter, whose bf16 arithmetic is wrong): fp32 right after every load.
+    # UPCAST (the interpreter, whose bf16 arithmetic is wrong, and the elementwise path, which
+    # would otherwise multiply and sum in bf16): fp32 right after every load.
     # On the GPU, tiles go straight to the dot dtype (a no-op for bf16/fp16; FP8 KV is widened
     # in registers here, its scale applied to the scores and the output, never per element).
     qn = tl.load(
@@ -345,7 +346,7 @@ def sparse_mla_triton(
         B, H, K, kv.shape[0], split_len, float(sm_scale) * scale, scale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), topk.stride(0),
         DC=Dc, DR=Dr, BLOCK_H=bh, BLOCK_K=bk, BLOCK_DC=block_dc, BLOCK_DR=block_dr,
-        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32), UPCAST=interpreted,
+        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32), UPCAST=interpreted or not use_dot,
         num_warps=warps, num_stages=num_stages or 3,
     )  # fmt: skip
     if splits == 1:
