@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels = bench_sub.add_parser("kernels", help="remap, combine and sparse MLA against torch eager and FlashInfer")
     kernels.add_argument("--json", help="also write the rows to this file")
     kernels.add_argument("--only", nargs="+", choices=["remap", "combine", "mla"], help="time only these kernels")
+    kernels.add_argument("--kv", nargs="+", choices=["bf16", "fp8"], help="sparse_mla KV dtypes (default: both)")
     kernels.add_argument("--tune", action="store_true",
                          help="time sparse_mla tile candidates and backends per shape; print the dispatch table")
     kernels.add_argument("--write-table", metavar="PATH", help="with --tune: write the dispatch table here")

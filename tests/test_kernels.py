@@ -176,11 +176,11 @@ def _brute_combine(out, lse):
     return res, res_lse
 
 
-def _check_combine(out, lse, block_d=None):
+def _check_combine(out, lse, block_d=None, rows=None):
     exp_out, exp_lse = _brute_combine(out, lse)
     rtol = RTOL[out.dtype]
     ref = lse_combine_mod.lse_combine_reference(out.to(DEVICE), lse.to(DEVICE))
-    tri = lse_combine_mod.lse_combine_triton(out.to(DEVICE), lse.to(DEVICE), block_d=block_d)
+    tri = lse_combine_mod.lse_combine_triton(out.to(DEVICE), lse.to(DEVICE), block_d=block_d, rows=rows)
     for what, (o, lz) in (("reference", ref), ("triton", tri)):
         assert o.dtype == out.dtype and lz.dtype == torch.float32, what
         assert_close(o, exp_out, rtol, f"{what} out")
@@ -191,10 +191,11 @@ def _check_combine(out, lse, block_d=None):
 
 @pytest.mark.parametrize("N", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D,block_d", [(5, None), (40, 16)])
-def test_lse_combine(N, dtype, D, block_d):
+@pytest.mark.parametrize("D,block_d,rows", [(5, None, None), (40, 16, None), (40, 16, 4), (6, None, 8)])
+def test_lse_combine(N, dtype, D, block_d, rows):
+    """rows=4 and 8 over B*H = 12 pairs: several (b, h) a program, the last program partly past the end."""
     out, lse = _random_shards(_gen("combine", N, dtype, D), N, 3, 4, D, dtype)
-    _check_combine(out, lse, block_d)
+    _check_combine(out, lse, block_d, rows)
 
 
 @pytest.mark.parametrize("N,D,dtype", [(3, 576, torch.bfloat16), (2, 512, torch.float32), (8, 576, torch.float32)])

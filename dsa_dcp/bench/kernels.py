@@ -324,8 +324,9 @@ def format_tables(rows: list[dict]) -> str:
 def main(args) -> int:
     torch.manual_seed(0)
     only = set(args.only or ("remap", "combine", "mla"))
+    kvs = tuple(args.kv or ("bf16", "fp8"))
     if args.tune:
-        entries = tune_sparse_mla()
+        entries = tune_sparse_mla(kvs=kvs)
         table = {"device": torch.cuda.get_device_name(), "versions": _versions(),
                  "command": "dsa-dcp " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "entries": entries}
         text = json.dumps(table, indent=1)
@@ -340,7 +341,7 @@ def main(args) -> int:
     if "combine" in only:
         rows += bench_combine()
     if "mla" in only:
-        rows += bench_sparse_mla()
+        rows += bench_sparse_mla(kvs=kvs)
     print(f"device {torch.cuda.get_device_name()}, {_versions()}")
     print(format_tables(rows))
     if args.json:

@@ -69,53 +69,76 @@ def _lse_combine_kernel(
     N,
     BH,
     D,
+    BLOCK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Grid (B*H, ceil(D / BLOCK_D)): all N shards of one (b, h) and D tile at once, no loop.
+    """Grid (ceil(B*H / BLOCK_ROWS), ceil(D / BLOCK_D)): BLOCK_ROWS (b, h) pairs, all N shards, one D tile.
 
-    The N LSEs and the [N, BLOCK_D] tile of partial outputs are loaded together (one round trip
-    to memory each, and the second does not wait for the first), then reduced in registers.
+    The N LSEs and the [BLOCK_ROWS, N, BLOCK_D] tile of partial outputs are loaded together (one
+    round trip to memory each, and the second does not wait for the first), then reduced in
+    registers.
     """
-    bh = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_rows = rows < BH
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_d = offs_d < D
     offs_n = tl.arange(0, BLOCK_N)
     in_n = offs_n < N
-    shard = offs_n.to(tl.int64) * BH + bh
-    lse = tl.load(lse_ptr + shard, mask=in_n, other=-float("inf")).to(tl.float32)
-    o = tl.load(out_ptr + shard[:, None] * D + offs_d[None, :], mask=in_n[:, None] & in_d[None, :], other=0.0)
+    shard = offs_n[None, :].to(tl.int64) * BH + rows[:, None]  # [ROWS, N]
+    in_shard = in_rows[:, None] & in_n[None, :]
+    lse = tl.load(lse_ptr + shard, mask=in_shard, other=-float("inf")).to(tl.float32)
+    o = tl.load(
+        out_ptr + shard[:, :, None] * D + offs_d[None, None, :],
+        mask=in_shard[:, :, None] & in_d[None, None, :],
+        other=0.0,
+    )
     valid = (lse > -float("inf")) & (lse < float("inf"))  # False for NaN too
     lse = tl.where(valid, lse, -float("inf"))
-    m = tl.max(lse, axis=0)
+    m = tl.max(lse, axis=1)
     m_safe = tl.where(m == -float("inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)  # 0 for an empty shard
-    total = tl.sum(w, axis=0)
+    w = tl.exp(lse - m_safe[:, None])  # 0 for an empty shard
+    total = tl.sum(w, axis=1)
     # an empty shard's out is selected away (not multiplied by 0), so NaN or inf in it cannot leak
-    o = tl.where(valid[:, None], o.to(tl.float32), 0.0)
-    acc = tl.sum(w[:, None] * o, axis=0)
+    o = tl.where(valid[:, :, None], o.to(tl.float32), 0.0)
+    acc = tl.sum(w[:, :, None] * o, axis=1)  # [ROWS, BLOCK_D]
     has = total > 0.0
     denom = tl.where(has, total, 1.0)
-    tl.store(res_ptr + bh * D + offs_d, (acc / denom).to(res_ptr.dtype.element_ty), mask=in_d)
+    tl.store(
+        res_ptr + rows[:, None] * D + offs_d[None, :],
+        (acc / denom[:, None]).to(res_ptr.dtype.element_ty),
+        mask=in_rows[:, None] & in_d[None, :],
+    )
     if tl.program_id(1) == 0:
-        tl.store(res_lse_ptr + bh, tl.where(has, m + tl.log(denom), -float("inf")))
+        tl.store(res_lse_ptr + rows, tl.where(has, m + tl.log(denom), -float("inf")), mask=in_rows)
 
 
-def _default_block_d(N: int, BH: int, D: int) -> int:
-    """D tile: the whole row when there are (b, h) pairs enough, else smaller tiles for more programs.
+TILE_ELEMENTS = 4096  # partial-output elements a program loads (32 fp32 registers a thread at 4 warps)
 
-    The [N, BLOCK_D] tile is capped at 8192 elements (64 fp32 registers a thread at 4 warps).
-    """
-    block = min(next_pow2(D), 1024, max(8192 // next_pow2(N), 16))
-    return block if BH >= 128 else min(block, 128)
+
+def _default_tiles(N: int, BH: int, D: int) -> tuple[int, int]:
+    """(rows, block_d): whole rows, several per program when there are (b, h) pairs to spare
+    (fewer, fuller programs); D split instead when there are few, for more programs."""
+    n = next_pow2(N)
+    block_d = min(next_pow2(D), 1024, max(TILE_ELEMENTS // n, 16))
+    if BH < 128:
+        return 1, min(block_d, 128)
+    rows = max(1, TILE_ELEMENTS // (n * block_d)) if BH >= 1024 else 1
+    return rows, block_d
 
 
 def lse_combine_triton(
-    out: torch.Tensor, lse: torch.Tensor, *, block_d: int | None = None, out_dtype: torch.dtype | None = None
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    block_d: int | None = None,
+    rows: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton LSE combine; grid (B*H, ceil(D / BLOCK_D)), all N shards in one tile (see module docstring).
+    """Triton LSE combine; grid (ceil(B*H / rows), ceil(D / BLOCK_D)), all N shards in one tile (see module docstring).
 
-    ``block_d`` (a power of two) overrides the D tile (default: see ``_default_block_d``).
+    ``block_d`` (a power of two) overrides the D tile and ``rows`` the (b, h) pairs a program
+    takes (defaults: see ``_default_tiles``).
     ``out_dtype`` overrides the result dtype (sparse MLA's split-K merges fp32 partials into the
     query dtype this way).
     """
@@ -130,13 +153,16 @@ def lse_combine_triton(
         res, res_lse = _empty_result(out)
         return res.to(res_dtype), res_lse
     check_launchable(_lse_combine_kernel, out, lse)
-    block = block_d or _default_block_d(N, B * H, D)
-    if block & (block - 1):
-        raise ValueError(f"{_OP}: block_d must be a power of two, got {block}")
+    tile_rows, tile_d = _default_tiles(N, B * H, D)
+    block, rows = block_d or tile_d, rows or tile_rows
+    for name, v in (("block_d", block), ("rows", rows)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{_OP}: {name} must be a power of two, got {v}")
     res = torch.empty((B, H, D), dtype=res_dtype, device=out.device)
     res_lse = torch.empty((B, H), dtype=torch.float32, device=out.device)
-    grid = (B * H, max(1, triton.cdiv(D, block)))
+    grid = (triton.cdiv(B * H, rows), max(1, triton.cdiv(D, block)))
     _lse_combine_kernel[grid](
-        out.contiguous(), lse.contiguous(), res, res_lse, N, B * H, D, BLOCK_N=next_pow2(N), BLOCK_D=block
-    )
+        out.contiguous(), lse.contiguous(), res, res_lse, N, B * H, D,
+        BLOCK_ROWS=rows, BLOCK_N=next_pow2(N), BLOCK_D=block,
+    )  # fmt: skip
     return res, res_lse

@@ -15,8 +15,9 @@ violation: the reference raises, the Triton kernel skips it rather than read out
 
 FP8 KV: ``kv`` may be ``float8_e4m3fn`` with one per-tensor fp32 ``kv_scale`` (every column,
 latent and rope alike, is stored as ``kv_real / kv_scale`` rounded to E4M3; 576 bytes a token at
-Dc + Dr = 576). The kernel reads the FP8 bytes, widens them to the query dtype in registers and
-applies the scale once to the scores and once to the output, so no dequantized copy exists.
+Dc + Dr = 576). The kernel reads the FP8 bytes, widens them in registers (to fp16 for the tensor
+cores) and applies the scale once to the scores and once to the output, so no dequantized copy
+exists.
 ``kv_scale`` is required for FP8 KV and refused for any other KV dtype.
 """
 
@@ -129,6 +130,7 @@ def _sparse_mla_kernel(
     SPLIT_LEN,
     score_scale,
     out_scale,
+    q_prescale,
     stride_qn_b,
     stride_qn_h,
     stride_qp_b,
@@ -174,9 +176,9 @@ def _sparse_mla_kernel(
     if UPCAST:
         qn = qn.to(tl.float32)
         qp = qp.to(tl.float32)
-    else:
-        qn = qn.to(DOT_DTYPE)
-        qp = qp.to(DOT_DTYPE)
+    else:  # q_prescale is 1 except for FP8 KV with bf16 queries (see the launcher)
+        qn = (qn.to(tl.float32) * q_prescale).to(DOT_DTYPE)
+        qp = (qp.to(tl.float32) * q_prescale).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -324,11 +326,18 @@ def sparse_mla_triton(
     # tl.dot wants every dim >= 16
     block_dc = max(next_pow2(Dc), 16 if use_dot else 1)
     block_dr = max(next_pow2(Dr), 16 if use_dot else 1)
-    # tensor-core operands in the query dtype when the KV matches it (or is FP8, widened to it)
+    # tensor-core operands in the query dtype when the KV matches it. FP8 KV is widened to fp16
+    # (one instruction per two values, where bf16 takes several), and bf16 queries go to fp16
+    # scaled by 2^-8 (undone in the score scale): fp16 then holds |q| up to 2^24 without
+    # overflow, and only |q| below about 1.5e-5 loses precision, which no score can notice.
     same = q_nope.dtype == q_pe.dtype and (kv.dtype == q_nope.dtype or kv.dtype in FP8_KV_DTYPES)
     interpreted = is_interpreted(_sparse_mla_kernel)
+    q_prescale = 1.0
     if interpreted or not same or q_nope.dtype == torch.float32:
         dot_dtype = tl.float32
+    elif kv.dtype in FP8_KV_DTYPES:
+        dot_dtype = tl.float16
+        q_prescale = 1.0 if q_nope.dtype == torch.float16 else 2.0**-8
     else:
         dot_dtype = _TL_DTYPES[q_nope.dtype]
     scale = 1.0 if kv_scale is None else float(kv_scale)
@@ -343,7 +352,7 @@ def sparse_mla_triton(
     lse = torch.empty(lead + (B, H), dtype=torch.float32, device=device)
     _sparse_mla_kernel[(B, head_blocks, splits)](
         q_nope, q_pe, kv, topk, out, lse,
-        B, H, K, kv.shape[0], split_len, float(sm_scale) * scale, scale,
+        B, H, K, kv.shape[0], split_len, float(sm_scale) * scale / q_prescale, scale, q_prescale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), topk.stride(0),
         DC=Dc, DR=Dr, BLOCK_H=bh, BLOCK_K=bk, BLOCK_DC=block_dc, BLOCK_DR=block_dr,
         USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32), UPCAST=interpreted or not use_dot,
