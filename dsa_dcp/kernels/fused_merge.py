@@ -61,12 +61,16 @@ def fused_a2a_merge_reference(outs: list[torch.Tensor], lses: list[torch.Tensor]
     return lse_combine_reference(torch.stack([o[:, heads] for o in outs]), torch.stack([l[:, heads] for l in lses]))
 
 
-@triton.jit
+# RANK is a runtime argument, never specialized: every rank of one process runs the same
+# compiled kernel. (Emulating N ranks in one process, a kernel compiled per rank would be loaded
+# while another rank's kernel spins on its flags, and loading a module waits for the device to go
+# idle: a deadlock.)
+@triton.jit(do_not_specialize=["RANK"])
 def _fused_a2a_merge_kernel(
     out_ptr, lse_ptr, res_ptr, res_lse_ptr,
     peers_ptr, my_payload_ptr, my_lse_ptr, my_flags_ptr, state_ptr,
-    B, H, D, G, B_MAX,
-    N: tl.constexpr, RANK: tl.constexpr, BLOCK_D: tl.constexpr, PHASE: tl.constexpr,
+    B, H, D, G, B_MAX, RANK,
+    N: tl.constexpr, BLOCK_D: tl.constexpr, PHASE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -213,8 +217,8 @@ def fused_a2a_merge_triton(out: torch.Tensor, lse: torch.Tensor, ws: MergeWorksp
     _fused_a2a_merge_kernel[grid](
         out.contiguous(), lse.contiguous(), res, res_lse,
         ws.peers, ws.payload, ws.lse, ws.flags, ws.state,
-        b, h, d, g, ws.max_rows,
-        N=ws.dcp_size, RANK=ws.rank, BLOCK_D=next_pow2(d), PHASE=phase,
+        b, h, d, g, ws.max_rows, ws.rank,
+        N=ws.dcp_size, BLOCK_D=next_pow2(d), PHASE=phase,
     )
     return res, res_lse
 

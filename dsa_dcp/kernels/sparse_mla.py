@@ -173,12 +173,12 @@ def _sparse_mla_kernel(
         mask=in_h[:, None] & in_dr[None, :],
         other=0.0,
     )
-    if UPCAST:
-        qn = qn.to(tl.float32)
-        qp = qp.to(tl.float32)
-    else:  # q_prescale is 1 except for FP8 KV with bf16 queries (see the launcher)
-        qn = (qn.to(tl.float32) * q_prescale).to(DOT_DTYPE)
-        qp = (qp.to(tl.float32) * q_prescale).to(DOT_DTYPE)
+    # q_prescale is 1 except for FP8 KV with bf16 queries on the tensor cores (see the launcher)
+    qn = qn.to(tl.float32) * q_prescale
+    qp = qp.to(tl.float32) * q_prescale
+    if not UPCAST:
+        qn = qn.to(DOT_DTYPE)
+        qp = qp.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
