@@ -3,7 +3,8 @@
 Each op has ``<op>_reference`` (torch, any device) and ``<op>_triton`` (CUDA tensors, or CPU
 tensors under ``TRITON_INTERPRET=1`` set before this package is imported). The dispatchers
 ``topk_remap``, ``lse_combine`` and ``kv_store`` pick the Triton kernel for CUDA tensors and the
-reference otherwise. ``sparse_mla`` has no dispatcher: the op layer chooses its backend.
+reference otherwise. ``sparse_mla`` has no dispatcher here: the op layer chooses its backend from the measured table
+(:mod:`dsa_dcp.kernels.dispatch`).
 Contracts: each module's docstring and docs/kernels.md.
 """
 

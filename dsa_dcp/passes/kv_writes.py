@@ -114,7 +114,8 @@ def _layout_problems(base: fx.Node, cache: object, n: int, interleave: int) -> l
         return [f"cannot find the tensor behind KV cache input {base.name}"]
     problems = []
     if cache.dtype not in KV_DTYPES:
-        extra = " (FP8 E4M3 KV is part of the contract, but no kernel implements it yet)" \
+        extra = (" (the sparse_mla kernels read FP8 E4M3 KV with a per-tensor kv_scale, but the model path "
+                 "does not quantize KV writes or carry the scale yet)") \
             if cache.dtype == torch.float8_e4m3fn else ""
         problems.append(f"KV cache {base.name} has dtype {cache.dtype}; supported: "
                         f"{[str(d).replace('torch.', '') for d in KV_DTYPES]}{extra}")
