@@ -20,8 +20,9 @@ Kernels:
   time the whole ``sparse_mla`` call through each backend as the op runs it uncaptured
   (FlashInfer's includes the index packing and ``plan()``, which syncs with the host).
 
-``--tune`` times Triton tile candidates per shape (in graph) and each backend as the op
-(eager), and ``--write-table`` writes the winners for :mod:`dsa_dcp.kernels.dispatch`.
+``--tune`` (:mod:`dsa_dcp.bench.tune`) times Triton tile candidates per shape (in graph) and
+each backend as the op (eager), and ``--write-table`` writes the winners for
+:mod:`dsa_dcp.kernels.dispatch`.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ import importlib.util
 import itertools
 import json
 import math
-import shlex
 import sys
-import time
 
 import torch
 
@@ -42,13 +41,13 @@ SLOTS = 1 << 20
 DC, DR = 512, 64
 
 
-def _median_us(fn, rep: int = 100) -> float:
+def median_us(fn, rep: int = 100) -> float:
     import triton
 
     return 1e3 * triton.testing.do_bench(fn, warmup=max(rep // 4, 5), rep=rep, return_mode="median")
 
 
-def _in_graph_us(fns, rep: int = 100) -> float:
+def in_graph_us(fns, rep: int = 100) -> float:
     """Time per call of ``fns`` (a callable, or a list called in turn) captured in one CUDA graph."""
     calls = [fns] * GRAPH_CALLS if callable(fns) else list(fns)
     for fn in calls[:2]:
@@ -58,12 +57,12 @@ def _in_graph_us(fns, rep: int = 100) -> float:
     with torch.cuda.graph(graph):
         for fn in calls:
             fn()
-    return _median_us(graph.replay, rep) / len(calls)
+    return median_us(graph.replay, rep) / len(calls)
 
 
-def _try_in_graph_us(fns, row: dict, key: str) -> None:
+def _tryin_graph_us(fns, row: dict, key: str) -> None:
     try:
-        row[key] = _in_graph_us(fns)
+        row[key] = in_graph_us(fns)
     except Exception as e:  # a backend that cannot be captured: say so in the row
         torch.cuda.synchronize()
         row[key] = None
@@ -89,8 +88,8 @@ def bench_remap(batches=(1, 8, 32, 128), ns=(2, 4, 8), k=2048) -> list[dict]:
 
 def _pair(kernel: str, shape: dict, ours, torch_) -> dict:
     row = {"kernel": kernel, **shape,
-           "ours_us": _median_us(ours), "ours_graph_us": _in_graph_us(ours),
-           "torch_us": _median_us(torch_), "torch_graph_us": _in_graph_us(torch_)}  # fmt: skip
+           "ours_us": median_us(ours), "ours_graph_us": in_graph_us(ours),
+           "torch_us": median_us(torch_), "torch_graph_us": in_graph_us(torch_)}  # fmt: skip
     row["eager_speedup"] = row["torch_us"] / row["ours_us"]
     row["step_speedup"] = row["torch_us"] / row["ours_graph_us"]
     row["graph_speedup"] = row["torch_graph_us"] / row["ours_graph_us"]
@@ -170,7 +169,7 @@ class MlaCase:
         return [run(c) for c in self.caches]
 
 
-def _check_mla(name: str, got, ref, lse_base2: bool = False) -> None:
+def check_mla(name: str, got, ref, lse_base2: bool = False) -> None:
     out, lse = got
     if lse_base2:
         lse = lse * 0.6931471805599453
@@ -179,7 +178,7 @@ def _check_mla(name: str, got, ref, lse_base2: bool = False) -> None:
     torch.testing.assert_close(lse.float(), ref[1], rtol=1e-2, atol=1e-2)
 
 
-def _caches():
+def make_caches():
     cache = torch.randn(SLOTS, DC + DR, device="cuda", dtype=torch.bfloat16)
     scale = float(cache.abs().amax()) / 448.0
     return {"bf16": (cache, None), "fp8": ((cache.float() / scale).to(torch.float8_e4m3fn), scale)}
@@ -189,28 +188,28 @@ def bench_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 20
     from dsa_dcp.kernels import flashinfer_mla
 
     have_fi = importlib.util.find_spec("flashinfer") is not None
-    caches = _caches()
+    caches = make_caches()
     rows = []
     for kv, h, b, k in itertools.product(kvs, heads, batches, ks):
         cache, scale = caches[kv]
         case = MlaCase(cache, h, b, k, kv, scale)
         ref = case.reference()
         row = {"kernel": "sparse_mla", "H": h, "B": b, "K": k, "kv": kv, "bytes": case.bytes}
-        _check_mla("triton", case.triton()(), ref)
-        row["triton_us"] = _median_us(case.triton())
-        row["triton_graph_us"] = _in_graph_us([case.triton(v) for v in range(case.views)])
+        check_mla("triton", case.triton()(), ref)
+        row["triton_us"] = median_us(case.triton())
+        row["triton_graph_us"] = in_graph_us([case.triton(v) for v in range(case.views)])
         row["triton_GBps"] = case.bytes / row["triton_graph_us"] / 1e3
         if have_fi and kv == "bf16":
             for backend in ("fa2", "fa3"):
                 runs = case.flashinfer_runs(backend, graph=False)
-                _check_mla(backend, runs[0](), ref, lse_base2=True)
-                row[f"{backend}_us"] = _median_us(runs[0])
-                _try_in_graph_us(case.flashinfer_runs(backend, graph=True), row, f"{backend}_graph_us")
+                check_mla(backend, runs[0](), ref, lse_base2=True)
+                row[f"{backend}_us"] = median_us(runs[0])
+                _tryin_graph_us(case.flashinfer_runs(backend, graph=True), row, f"{backend}_graph_us")
                 op = lambda: flashinfer_mla.sparse_mla_flashinfer(  # noqa: E731
                     case.q_nope, case.q_pe, case.caches[0], case.topk, case.sm_scale, backend=backend
                 )
-                _check_mla(f"{backend} op", op(), ref)
-                row[f"{backend}_op_us"] = _median_us(op)
+                check_mla(f"{backend} op", op(), ref)
+                row[f"{backend}_op_us"] = median_us(op)
             best = min((row[c] for c in ("fa2_graph_us", "fa3_graph_us") if row.get(c)), default=None)
             row["best_fi_graph_over_triton_graph"] = best / row["triton_graph_us"] if best else None
             best_eager = min(row["fa2_us"], row["fa3_us"])
@@ -220,68 +219,7 @@ def bench_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 20
     return rows
 
 
-# A first sweep (block_h 16/32/64 x block_k 16/32/64 x 4/8 warps x 1/2 stages, H = 64, B = 1 and 8,
-# bf16) was won only by these; --tune times them with the split counts below.
-TILE_CANDIDATES = [
-    dict(block_h=16, block_k=16, num_warps=4, num_stages=1),
-    dict(block_h=16, block_k=32, num_warps=4, num_stages=2),
-    dict(block_h=16, block_k=64, num_warps=4, num_stages=2),
-    dict(block_h=16, block_k=64, num_warps=8, num_stages=2),
-    dict(block_h=32, block_k=64, num_warps=4, num_stages=2),
-    dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
-]
-
-
-def _split_candidates(b: int, h: int, k: int, block_h: int, block_k: int, sms: int) -> list[int]:
-    """No split, and the powers of two that make half a wave to two waves (at most one K tile each)."""
-    programs = b * math.ceil(h / block_h)
-    most = max(1, k // block_k)
-    waves = {1 << i for i in range(12) if sms / 2 <= programs * (1 << i) <= 2 * sms}
-    return sorted({1} | {min(most, s) for s in waves})
-
-
-def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kvs=("bf16", "fp8")) -> list[dict]:
-    """Per shape: the fastest Triton tiles in graph, then the fastest backend as the op (eager)."""
-    from dsa_dcp.kernels import flashinfer_mla
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    have_fi = importlib.util.find_spec("flashinfer") is not None
-    caches = _caches()
-    entries = []
-    for kv, h, b, k in itertools.product(kvs, heads, batches, ks):
-        cache, scale = caches[kv]
-        case = MlaCase(cache, h, b, k, kv, scale)
-        ref = case.reference()
-        best = None
-        for tiles in TILE_CANDIDATES:
-            for splits in _split_candidates(b, h, k, tiles["block_h"], tiles["block_k"], sms):
-                t = dict(tiles, num_splits=splits)
-                try:
-                    _check_mla("triton", case.triton(**t)(), ref)
-                    us = _in_graph_us([case.triton(v, **t) for v in range(case.views)], rep=10)
-                except Exception as e:  # a tile the compiler cannot fit (shared memory, registers)
-                    print(f"# skip {t}: {type(e).__name__}", file=sys.stderr)
-                    continue
-                if best is None or us < best[0]:
-                    best = (us, t)
-        tiles = best[1]
-        times = {"triton": _median_us(case.triton(**tiles), rep=20)}
-        if have_fi and kv == "bf16":
-            for backend in ("fa2", "fa3"):
-                op = lambda: flashinfer_mla.sparse_mla_flashinfer(  # noqa: E731
-                    case.q_nope, case.q_pe, case.caches[0], case.topk, case.sm_scale, backend=backend
-                )
-                _check_mla(f"{backend} op", op(), ref)
-                times[backend] = _median_us(op, rep=20)
-        backend = min(times, key=times.get)
-        entries.append({"H": h, "B": b, "K": k, "kv": kv, "backend": backend, "tiles": tiles,
-                        "us": {"triton_graph": best[0], **{f"{n}_op": v for n, v in times.items()}}})
-        print(f"# tuned {time.strftime('%H:%M:%S')} {kv} H={h} B={b} K={k}: {tiles} {best[0]:.1f} us in graph; op: "
-              + ", ".join(f"{n} {v:.1f}" for n, v in times.items()), file=sys.stderr)
-    return entries
-
-
-def _versions() -> dict:
+def versions() -> dict:
     import triton
 
     v = {"torch": torch.__version__, "triton": triton.__version__}
@@ -326,15 +264,9 @@ def main(args) -> int:
     only = set(args.only or ("remap", "combine", "mla"))
     kvs = tuple(args.kv or ("bf16", "fp8"))
     if args.tune:
-        entries = tune_sparse_mla(kvs=kvs)
-        table = {"device": torch.cuda.get_device_name(), "versions": _versions(),
-                 "command": "dsa-dcp " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "entries": entries}
-        text = json.dumps(table, indent=1)
-        print(text)
-        if args.write_table:
-            with open(args.write_table, "w") as f:
-                f.write(text + "\n")
-        return 0
+        from dsa_dcp.bench.tune import main as tune
+
+        return tune(kvs, args.write_table)
     rows = []
     if "remap" in only:
         rows += bench_remap()
@@ -342,7 +274,7 @@ def main(args) -> int:
         rows += bench_combine()
     if "mla" in only:
         rows += bench_sparse_mla(kvs=kvs)
-    print(f"device {torch.cuda.get_device_name()}, {_versions()}")
+    print(f"device {torch.cuda.get_device_name()}, {versions()}")
     print(format_tables(rows))
     if args.json:
         with open(args.json, "w") as f:
