@@ -8,6 +8,11 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 TRITON_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of Python ints (``triton.cdiv`` is a JIT function: slow to call from the host)."""
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()

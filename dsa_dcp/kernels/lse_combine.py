@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TRITON_FLOAT_DTYPES, check_float, check_launchable, check_same_device, next_pow2
+from ._common import TRITON_FLOAT_DTYPES, cdiv, check_float, check_launchable, check_same_device, next_pow2
 
 _OP = "lse_combine"
 
@@ -160,7 +160,7 @@ def lse_combine_triton(
             raise ValueError(f"{_OP}: {name} must be a power of two, got {v}")
     res = torch.empty((B, H, D), dtype=res_dtype, device=out.device)
     res_lse = torch.empty((B, H), dtype=torch.float32, device=out.device)
-    grid = (triton.cdiv(B * H, rows), max(1, triton.cdiv(D, block)))
+    grid = (cdiv(B * H, rows), max(1, cdiv(D, block)))
     _lse_combine_kernel[grid](
         out.contiguous(), lse.contiguous(), res, res_lse, N, B * H, D,
         BLOCK_ROWS=rows, BLOCK_N=next_pow2(N), BLOCK_D=block,

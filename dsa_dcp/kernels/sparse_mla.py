@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ._common import (
     TRITON_FLOAT_DTYPES,
+    cdiv,
     check_float,
     check_index,
     check_launchable,
@@ -262,7 +263,7 @@ def _default_splits(programs: int, K: int, block_k: int, device: torch.device) -
     sms = _sm_count(device) if device.type == "cuda" else 0
     if 2 * programs > sms:
         return 1
-    return max(1, min(triton.cdiv(sms, programs), K // (2 * block_k)))
+    return max(1, min(cdiv(sms, programs), K // (2 * block_k)))
 
 
 def sparse_mla_triton(
@@ -318,10 +319,10 @@ def sparse_mla_triton(
             raise ValueError(f"{_OP}: {name} must be a power of two, got {v}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"{_OP}: num_splits must be >= 1, got {num_splits}")
-    head_blocks = triton.cdiv(H, bh)
+    head_blocks = cdiv(H, bh)
     splits = num_splits or _default_splits(B * head_blocks, K, bk, device)
-    split_len = triton.cdiv(triton.cdiv(K, splits), bk) * bk  # whole K tiles per split
-    splits = triton.cdiv(K, split_len)
+    split_len = cdiv(cdiv(K, splits), bk) * bk  # whole K tiles per split
+    splits = cdiv(K, split_len)
     use_dot = bh >= 16 and bk >= 16
     # tl.dot wants every dim >= 16
     block_dc = max(next_pow2(Dc), 16 if use_dot else 1)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from dsa_dcp.slots import local_row, owner
 
-from ._common import check_index, check_launchable, next_pow2
+from ._common import cdiv, check_index, check_launchable, next_pow2
 
 _OP = "topk_remap"
 
@@ -135,7 +135,7 @@ def topk_remap_triton(
     block = min(block_k or _default_block(B, K), row_block)
     if block & (block - 1):
         raise ValueError(f"{_OP}: block_k must be a power of two, got {block}")
-    _topk_remap_kernel[(B, triton.cdiv(K, block))](
+    _topk_remap_kernel[(B, cdiv(K, block))](
         topk.contiguous(), local, count, K, rank,
         DCP_SIZE=dcp_size, INTERLEAVE=interleave, ROW_BLOCK=row_block, BLOCK_K=block,
         num_warps=num_warps or 4,
