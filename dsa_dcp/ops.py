@@ -119,6 +119,8 @@ def _sparse_mla_cuda(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_
         choice = dispatch.choose(q_nope.shape[1], q_nope.shape[0], topk.shape[1], kv.dtype, q_nope.device)
         if choice is not None and choice.backend != "triton":
             return flashinfer_mla.sparse_mla_flashinfer(q_nope, q_pe, kv, topk, sm_scale, backend=choice.backend)
+        if choice is not None:  # the table's tiles, so the kernel need not look them up again
+            return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale, **choice.tiles)
     return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale)
 
 

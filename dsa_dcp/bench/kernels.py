@@ -60,7 +60,7 @@ def in_graph_us(fns, rep: int = 100) -> float:
     return median_us(graph.replay, rep) / len(calls)
 
 
-def _tryin_graph_us(fns, row: dict, key: str) -> None:
+def _try_in_graph_us(fns, row: dict, key: str) -> None:
     try:
         row[key] = in_graph_us(fns)
     except Exception as e:  # a backend that cannot be captured: say so in the row
@@ -142,6 +142,14 @@ class MlaCase:
             self.q_nope, self.q_pe, self.caches[view], self.topk, self.sm_scale, self.kv_scale, **tiles
         )
 
+    def flashinfer_op(self, backend: str):
+        """The whole ``sparse_mla`` call through FlashInfer, as the op runs it uncaptured."""
+        from dsa_dcp.kernels import flashinfer_mla
+
+        return lambda: flashinfer_mla.sparse_mla_flashinfer(
+            self.q_nope, self.q_pe, self.caches[0], self.topk, self.sm_scale, backend=backend
+        )
+
     def flashinfer_runs(self, backend: str, graph: bool):
         """``wrapper.run`` per view after one ``plan()`` (graph: a CUDA-graph wrapper)."""
         import flashinfer
@@ -184,16 +192,20 @@ def make_caches():
     return {"bf16": (cache, None), "fp8": ((cache.float() / scale).to(torch.float8_e4m3fn), scale)}
 
 
-def bench_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 2048), kvs=("bf16", "fp8")) -> list[dict]:
-    from dsa_dcp.kernels import flashinfer_mla
-
-    have_fi = importlib.util.find_spec("flashinfer") is not None
+def mla_cases(heads, batches, ks, kvs):
+    """``(case, reference result)`` for every shape, over one pair of BF16/FP8 caches."""
     caches = make_caches()
-    rows = []
     for kv, h, b, k in itertools.product(kvs, heads, batches, ks):
         cache, scale = caches[kv]
         case = MlaCase(cache, h, b, k, kv, scale)
-        ref = case.reference()
+        yield case, case.reference()
+
+
+def bench_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 2048), kvs=("bf16", "fp8")) -> list[dict]:
+    have_fi = importlib.util.find_spec("flashinfer") is not None
+    rows = []
+    for case, ref in mla_cases(heads, batches, ks, kvs):
+        kv, h, b, k = case.kv, case.h, case.b, case.k
         row = {"kernel": "sparse_mla", "H": h, "B": b, "K": k, "kv": kv, "bytes": case.bytes}
         check_mla("triton", case.triton()(), ref)
         row["triton_us"] = median_us(case.triton())
@@ -204,10 +216,8 @@ def bench_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 20
                 runs = case.flashinfer_runs(backend, graph=False)
                 check_mla(backend, runs[0](), ref, lse_base2=True)
                 row[f"{backend}_us"] = median_us(runs[0])
-                _tryin_graph_us(case.flashinfer_runs(backend, graph=True), row, f"{backend}_graph_us")
-                op = lambda: flashinfer_mla.sparse_mla_flashinfer(  # noqa: E731
-                    case.q_nope, case.q_pe, case.caches[0], case.topk, case.sm_scale, backend=backend
-                )
+                _try_in_graph_us(case.flashinfer_runs(backend, graph=True), row, f"{backend}_graph_us")
+                op = case.flashinfer_op(backend)
                 check_mla(f"{backend} op", op(), ref)
                 row[f"{backend}_op_us"] = median_us(op)
             best = min((row[c] for c in ("fa2_graph_us", "fa3_graph_us") if row.get(c)), default=None)

@@ -10,7 +10,6 @@ the JSON table :mod:`dsa_dcp.kernels.dispatch` reads.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 import math
 import shlex
@@ -19,7 +18,7 @@ import time
 
 import torch
 
-from dsa_dcp.bench.kernels import MlaCase, check_mla, in_graph_us, make_caches, median_us, versions
+from dsa_dcp.bench.kernels import check_mla, in_graph_us, median_us, mla_cases, versions
 
 # A first sweep (block_h 16/32/64 x block_k 16/32/64 x 4/8 warps x 1/2 stages, H = 64, B = 1 and 8,
 # bf16) was won only by these; --tune times them with the split counts below.
@@ -43,16 +42,11 @@ def _split_candidates(b: int, h: int, k: int, block_h: int, block_k: int, sms: i
 
 def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kvs=("bf16", "fp8")) -> list[dict]:
     """Per shape: the fastest Triton tiles in graph, then the fastest backend as the op (eager)."""
-    from dsa_dcp.kernels import flashinfer_mla
-
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     have_fi = importlib.util.find_spec("flashinfer") is not None
-    caches = make_caches()
     entries = []
-    for kv, h, b, k in itertools.product(kvs, heads, batches, ks):
-        cache, scale = caches[kv]
-        case = MlaCase(cache, h, b, k, kv, scale)
-        ref = case.reference()
+    for case, ref in mla_cases(heads, batches, ks, kvs):
+        kv, h, b, k = case.kv, case.h, case.b, case.k
         best = None
         for tiles in TILE_CANDIDATES:
             for splits in _split_candidates(b, h, k, tiles["block_h"], tiles["block_k"], sms):
@@ -69,9 +63,7 @@ def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kv
         times = {"triton": median_us(case.triton(**tiles), rep=20)}
         if have_fi and kv == "bf16":
             for backend in ("fa2", "fa3"):
-                op = lambda: flashinfer_mla.sparse_mla_flashinfer(  # noqa: E731
-                    case.q_nope, case.q_pe, case.caches[0], case.topk, case.sm_scale, backend=backend
-                )
+                op = case.flashinfer_op(backend)
                 check_mla(f"{backend} op", op(), ref)
                 times[backend] = median_us(op, rep=20)
         backend = min(times, key=times.get)
