@@ -12,7 +12,9 @@ Times are medians in microseconds, two ways:
 
 Kernels:
 
-- ``topk_remap``: ours (Triton) vs torch eager (``topk_remap_reference``); K = 2048.
+- ``topk_remap``: ours (Triton) vs torch eager (``topk_remap_reference``); K = 2048. Beside it,
+  the floor: one torch elementwise kernel (``add``) over the same top-k, in a graph, the least
+  any kernel that reads the row and writes a row costs there.
 - ``lse_combine``: ours vs torch eager; H/N heads of D = 512 (H = 64).
 - ``sparse_mla``: our Triton decode kernel (BF16 KV and FP8 E4M3 KV with a per-tensor scale) vs
   FlashInfer's MLA wrapper (fa2, fa3) used as sparse attention (page_size 1, kv_indices = the
@@ -82,7 +84,11 @@ def bench_remap(batches=(1, 8, 32, 128), ns=(2, 4, 8), k=2048) -> list[dict]:
             assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
             ours = lambda: topk_remap_triton(topk, n, 1, 1)  # noqa: E731
             torch_ = lambda: topk_remap_reference(topk, n, 1, 1)  # noqa: E731
-            rows.append(_pair("topk_remap", {"B": b, "N": n, "K": k}, ours, torch_))
+            row = _pair("topk_remap", {"B": b, "N": n, "K": k}, ours, torch_)
+            # the floor: one elementwise kernel that reads the same top-k and writes as many bytes
+            dst = torch.empty_like(topk)
+            row["floor_graph_us"] = in_graph_us(lambda: torch.add(topk, 1, out=dst))
+            rows.append(row)
     return rows
 
 
@@ -241,8 +247,8 @@ def versions() -> dict:
 
 
 COLUMNS = {
-    "topk_remap": ["B", "N", "K", "ours_us", "ours_graph_us", "torch_us", "torch_graph_us", "eager_speedup",
-                   "step_speedup", "graph_speedup"],
+    "topk_remap": ["B", "N", "K", "ours_us", "ours_graph_us", "floor_graph_us", "torch_us", "torch_graph_us",
+                   "eager_speedup", "step_speedup", "graph_speedup"],
     "lse_combine": ["B", "N", "H/N", "D", "ours_us", "ours_graph_us", "torch_us", "torch_graph_us",
                     "eager_speedup", "step_speedup", "graph_speedup"],
     "sparse_mla": ["kv", "H", "B", "K", "triton_us", "triton_graph_us", "triton_GBps", "fa2_us", "fa3_us",

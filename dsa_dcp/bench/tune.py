@@ -21,7 +21,8 @@ import torch
 from dsa_dcp.bench.kernels import check_mla, in_graph_us, median_us, mla_cases, versions
 
 # A first sweep (block_h 16/32/64 x block_k 16/32/64 x 4/8 warps x 1/2 stages, H = 64, B = 1 and 8,
-# bf16) was won only by these; --tune times them with the split counts below.
+# bf16) was won only by the first six; the last five are for larger batches, where 64-head tiles
+# (warp-group MMA) and a third pipeline stage (the gather's addresses come from a load) may pay. --tune times them with the split counts below.
 TILE_CANDIDATES = [
     dict(block_h=16, block_k=16, num_warps=4, num_stages=1),
     dict(block_h=16, block_k=32, num_warps=4, num_stages=2),
@@ -29,6 +30,11 @@ TILE_CANDIDATES = [
     dict(block_h=16, block_k=64, num_warps=8, num_stages=2),
     dict(block_h=32, block_k=64, num_warps=4, num_stages=2),
     dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
+    dict(block_h=16, block_k=64, num_warps=4, num_stages=3),
+    dict(block_h=32, block_k=32, num_warps=4, num_stages=3),
+    dict(block_h=32, block_k=64, num_warps=4, num_stages=3),
+    dict(block_h=64, block_k=32, num_warps=8, num_stages=3),
+    dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
 ]
 
 
