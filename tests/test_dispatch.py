@@ -41,6 +41,21 @@ def test_lookup_only_on_the_measured_device_heads_and_dtype():
     assert dispatch.lookup(t, "GPU-X", 64, 1, 512, "fp8").tiles["num_splits"] == 7
 
 
+def test_memo_lookup_agrees_with_lookup_and_follows_the_table():
+    t = _table()
+    for b in (1, 2, 8, 9, 128, 500):
+        for k in (1, 512, 513, 2048, 4096):
+            for dtype, kv in ((torch.bfloat16, "bf16"), (torch.float8_e4m3fn, "fp8"), (torch.float16, "fp16")):
+                assert dispatch.memo_lookup(t, "GPU-X", 64, b, k, dtype) == dispatch.lookup(t, "GPU-X", 64, b, k, kv)
+    first = dispatch.memo_lookup(t, "GPU-X", 64, 1, 512, torch.bfloat16)
+    assert dispatch.memo_lookup(t, "GPU-X", 64, 1, 512, torch.bfloat16) is first  # remembered
+    with pytest.raises(TypeError):
+        first.tiles["num_splits"] = 3  # shared, so read-only
+    other = _table()  # a table loaded anew (e.g. another file) is looked up afresh
+    other["entries"][0]["tiles"]["num_splits"] = 99
+    assert dispatch.memo_lookup(other, "GPU-X", 64, 1, 512, torch.bfloat16).tiles["num_splits"] == 99
+
+
 def test_choose_is_none_off_cuda():
     assert dispatch.choose(64, 1, 512, torch.bfloat16, torch.device("cpu")) is None
 

@@ -23,6 +23,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -35,7 +36,7 @@ TILE_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "num_splits")
 @dataclass(frozen=True)
 class Choice:
     backend: str  # one of BACKENDS
-    tiles: dict  # Triton launch parameters (TILE_KEYS), used when the Triton kernel runs
+    tiles: MappingProxyType  # Triton launch parameters (TILE_KEYS), read-only (choices are shared)
 
 
 def kv_name(dtype: torch.dtype) -> str:
@@ -91,7 +92,7 @@ def lookup(table: dict, device_name: str, H: int, B: int, K: int, kv: str) -> Ch
     rows = [e for e in rows if e["B"] == b]
     k = _nearest_at_or_above(sorted({e["K"] for e in rows}), K)
     entry = next(e for e in rows if e["K"] == k)
-    return Choice(entry["backend"], dict(entry["tiles"]))
+    return Choice(entry["backend"], MappingProxyType(dict(entry["tiles"])))
 
 
 def choose(H: int, B: int, K: int, kv_dtype: torch.dtype, device: torch.device) -> Choice | None:
@@ -102,4 +103,20 @@ def choose(H: int, B: int, K: int, kv_dtype: torch.dtype, device: torch.device) 
     if table is None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return lookup(table, _device_name(index), H, B, K, kv_name(kv_dtype))
+    return memo_lookup(table, _device_name(index), H, B, K, kv_dtype)
+
+
+MEMO_SIZE = 4096  # shapes remembered per loaded table before the memo starts over
+_memo: dict = {"table": None, "choices": {}}
+
+
+def memo_lookup(table: dict, device_name: str, H: int, B: int, K: int, kv_dtype: torch.dtype) -> Choice | None:
+    """:func:`lookup`, once per shape and loaded table (a lookup scans the whole table: about 5 us
+    of Python a call, on every eager ``sparse_mla`` call without this)."""
+    if _memo["table"] is not table or len(_memo["choices"]) >= MEMO_SIZE:
+        _memo["table"], _memo["choices"] = table, {}
+    key = (device_name, H, B, K, kv_dtype)
+    choices = _memo["choices"]
+    if key not in choices:
+        choices[key] = lookup(table, device_name, H, B, K, kv_name(kv_dtype))
+    return choices[key]
