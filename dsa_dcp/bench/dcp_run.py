@@ -147,7 +147,7 @@ def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: in
 
 def run(rank: int, world: int, spec: RunSpec) -> dict:
     results = {"correctness": check_correctness(rank, world, spec)}
-    if spec.device == "cuda":
+    if torch.device(spec.device).type == "cuda":
         results["step_latency"] = step_latency(rank, world, spec)
         if "fused_a2a" in spec.merges:
             results["merge_per_layer"] = merge_per_layer(rank, world, spec)
