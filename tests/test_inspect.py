@@ -108,10 +108,6 @@ def full():
     return text, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
 
 
-def _share_remaps_ran(data):
-    return any(p["name"] == "share_remaps" for p in data["passes"])
-
-
 def test_glm52_tiny_counts(tiny):
     text, _, data = tiny
     s = data["summary"]
@@ -119,10 +115,10 @@ def test_glm52_tiny_counts(tiny):
     assert re.search(r"sparse attention nodes\s+78\n", text)
     assert s["sparse_attention_nodes"] == GLM52_LAYERS
     assert s["remaps"]["before_sharing"] == GLM52_LAYERS
-    expected_remaps = GLM52_INDEXERS if _share_remaps_ran(data) else GLM52_LAYERS
-    assert s["remaps"]["after_sharing"] == expected_remaps
-    assert re.search(rf"remaps after sharing\s+{expected_remaps} ", text)
-    assert len(s["remaps"]["groups"]) == expected_remaps
+    assert any(p["name"] == "share_remaps" for p in data["passes"])  # on by default
+    assert s["remaps"]["after_sharing"] == GLM52_INDEXERS
+    assert re.search(rf"remaps after sharing\s+{GLM52_INDEXERS} ", text)
+    assert len(s["remaps"]["groups"]) == GLM52_INDEXERS
     assert sorted(l for g in s["remaps"]["groups"] for l in g) == list(range(GLM52_LAYERS))
     # one merge per layer, and a2a's two collectives per layer (all-to-all + epilogue all-reduce)
     assert s["merges"] == {"a2a": GLM52_LAYERS}
@@ -171,6 +167,12 @@ def test_replicated_index_cost_matches_facts(n, percent):
     bf16 = memory_plan("glm5.2", "bf16", n, slots=1000)
     assert bf16.kv_bytes_per_token_layer == 1152 and bf16.index_bytes_per_token_layer == 256
     assert bf16.bytes_per_rank_for_slots == math.ceil(1000 / n) * 78 * 1152 + 1000 * 21 * 256
+
+
+def test_memory_plan_keeps_whole_interleave_blocks():
+    # 1001 slots, N = 2, I = 2: rank 0 owns blocks 0, 2, ..., 250 (251 blocks of 2 = 502 rows), not 501
+    plan = memory_plan("glm5.2", "bf16", 2, slots=1001, interleave=2)
+    assert plan.bytes_per_rank_for_slots == 502 * 78 * 1152 + 1001 * 21 * 256
 
 
 # ---------------------------------------------------------------------- JSON
@@ -240,8 +242,8 @@ def test_factory_target_json_is_stable(monkeypatch):
     # the decorated op is the attention node; all three layers read one top-k input
     assert all("toy_sparse_attention" in flow["op"] for flow in data["dataflow"]["layers"])
     assert len(data["dataflow"]["sources"]) == 1
-    if any(p["name"] == "share_remaps" for p in data["passes"]):
-        assert s["remaps"]["after_sharing"] == 1 and s["remaps"]["groups"] == [[0, 1, 2]]
+    assert any(p["name"] == "share_remaps" for p in data["passes"])
+    assert s["remaps"]["after_sharing"] == 1 and s["remaps"]["groups"] == [[0, 1, 2]]
     assert data["memory"] is None  # no DSAConfig for a user's model
     # ag over 2 ranks: [B=4, H=2, Dc=8 + 1 LSE word] fp32 per rank, sent to the other rank
     assert {tuple(c["input_shape"]) for c in data["collectives"]} == {(1, 4, 2, 9)}  # one head group

@@ -18,13 +18,15 @@ would hold (GLM-5.3, FP8: 5.8% at N=2, 17% at N=4, 41% at N=8).
 
 Tokens that fit count global slots, i.e. tokens of the whole group: with ``gpu_mem_gib`` GiB of
 cache memory per rank, ``floor(bytes / (kv / N + index))``; with ``slots`` S the plan gives the
-bytes each rank needs for S slots (``ceil(S / N)`` KV rows, S index rows).
+bytes each rank needs for S slots (``local_cache_rows(S, N, I)`` KV rows: ``ceil(S / N)`` when
+``I = 1``; S index rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+
+from dsa_dcp.slots import local_cache_rows
 
 KV_DTYPES = ("bf16", "fp8")
 GIB = 1 << 30
@@ -104,8 +106,9 @@ def index_bytes_per_layer(index_head_dim: int, kv_dtype: str) -> int:
 
 
 def memory_plan(config, kv_dtype: str = "bf16", dcp_size: int = 1, *, slots: int | None = None,
-                gpu_mem_gib: float | None = None) -> MemoryPlan:
-    """The plan for a ``DSAConfig`` (or a config name) under DCP of size ``dcp_size``."""
+                gpu_mem_gib: float | None = None, interleave: int = 1) -> MemoryPlan:
+    """The plan for a ``DSAConfig`` (or a config name) under DCP of size ``dcp_size`` (``interleave``
+    slots kept together on one rank: a rank's cache for ``slots`` holds whole interleave blocks)."""
     from dsa_dcp.models import get_config
 
     cfg = get_config(config) if isinstance(config, str) else config
@@ -133,7 +136,7 @@ def memory_plan(config, kv_dtype: str = "bf16", dcp_size: int = 1, *, slots: int
     if slots is not None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
-        plan.update(slots=slots, bytes_per_rank_for_slots=math.ceil(slots / n) * kv + slots * idx + fixed)
+        plan.update(slots=slots, bytes_per_rank_for_slots=local_cache_rows(slots, n, interleave) * kv + slots * idx + fixed)
     if gpu_mem_gib is not None:
         if gpu_mem_gib <= 0:
             raise ValueError(f"gpu_mem_gib must be > 0, got {gpu_mem_gib}")

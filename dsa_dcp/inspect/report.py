@@ -48,7 +48,8 @@ def inspect(compiled: Any, *, config: Any = None, kv_dtype: str = "bf16", slots:
         config = getattr(module, "cfg", None)
     plan = None
     if config is not None and (isinstance(config, str) or hasattr(config, "kv_dim")):
-        plan = memory_plan(config, kv_dtype, report.options.dcp_size, slots=slots, gpu_mem_gib=gpu_mem_gib)
+        plan = memory_plan(config, kv_dtype, report.options.dcp_size, slots=slots, gpu_mem_gib=gpu_mem_gib,
+                           interleave=report.options.interleave)
     if target is None:
         target = {"name": _describe(compiled), "how": "compiled by torch.compile in this process",
                   "process_group": getattr(report.analysis, "process_group", "") or "unknown"}
