@@ -1,5 +1,6 @@
 """The backend's front door: options, registration, and dcp_size=1 equal to eager."""
 
+import dataclasses
 import importlib.metadata
 
 import pytest
@@ -28,6 +29,7 @@ def test_backend_is_registered_as_entry_point():
         ({"interleave": 2.0}, r"interleave must be an integer >= 1, got 2.0"),
         ({"lowering": "tensorrt"}, r"lowering must be one of \['fx', 'inductor'\]"),
         ({"dcp_size": 2, "rank": 2}, r"rank must be None or in \[0, dcp_size\), got 2"),
+        ({"batch_sizes": [8, 4]}, r"batch_sizes must be a non-empty increasing list"),
     ],
 )
 def test_bad_options_name_what_is_valid(options, message):
@@ -54,12 +56,20 @@ def test_dcp_size_above_one_needs_a_group():
         f(torch.zeros(2))
 
 
+# one valid, non-default value per option (dcp_size 2 where the option needs a group of several)
+OPTION_CHANGES = {
+    "dcp_size": {"dcp_size": 2}, "group": {"dcp_size": 2, "group": "dcp"}, "rank": {"dcp_size": 2, "rank": 1},
+    "merge": {"merge": "ag"}, "interleave": {"interleave": 2}, "lowering": {"lowering": "inductor"},
+    "share_remaps": {"share_remaps": False}, "cuda_graphs": {"cuda_graphs": False},
+    "batch_sizes": {"batch_sizes": [1, 8]}, "page_size": {"page_size": 64}, "allow_multi_host": {"allow_multi_host": True},
+    "debug_checks": {"debug_checks": True},
+}  # fmt: skip
+
+
 def test_options_cache_key_covers_every_option():
-    base = DCPOptions.parse({})
-    keys = {base.cache_key()}
-    for change in ({"dcp_size": 2}, {"merge": "ag"}, {"interleave": 2}, {"lowering": "inductor"}, {"dcp_size": 2, "rank": 1}):
-        keys.add(DCPOptions.parse(change).cache_key())
-    assert len(keys) == 6
+    assert set(OPTION_CHANGES) == {f.name for f in dataclasses.fields(DCPOptions)}
+    keys = {DCPOptions.parse({}).cache_key()} | {DCPOptions.parse(c).cache_key() for c in OPTION_CHANGES.values()}
+    assert len(keys) == len(OPTION_CHANGES) + 1
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import dsa_dcp
-from dsa_dcp.config import OptionsError
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
 
 gpu = pytest.mark.gpu
@@ -30,6 +29,7 @@ def test_graph_replay_matches_eager(batch_sizes, rows, captured):
         ref = generate(eager, batch, STEPS, pad_to=rows, device="cuda")
         out = generate(step, batch, STEPS, pad_to=rows, device="cuda")
     assert out.tokens == ref.tokens
+    assert len(out.step_logits) == len(ref.step_logits) >= STEPS
     for a, b in zip(out.step_logits, ref.step_logits):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     lowered = dsa_dcp.backend_report().lowered
@@ -65,11 +65,3 @@ def test_replay_sees_inputs_changed_in_place():
             slots.copy_(torch.tensor([batch.slot(int(r), int(p)) for r, p in zip(req_ids, positions)]))
     assert len(dsa_dcp.backend_report().lowered.graphs) == 1
 
-
-def test_cuda_graphs_on_cpu_is_refused():
-    torch._dynamo.reset()
-    f = torch.compile(lambda x: x + 1, backend="dsa_dcp", options={"cuda_graphs": True})
-    with pytest.raises(Exception, match="cuda_graphs=True, but the compiled step runs on the CPU"):
-        f(torch.zeros(2))
-    with pytest.raises(OptionsError, match="batch_sizes must be a non-empty increasing list"):
-        dsa_dcp.DCPOptions.parse({"batch_sizes": [8, 4]})

@@ -5,17 +5,16 @@ run for real); the numerics are checked on real gloo ranks, sharing on against s
 against the single-rank function.
 """
 
-import contextlib
 import logging
 import operator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 import dsa_dcp
 from dsa_dcp.config import DCPOptions, OptionsError
+from dsa_dcp.inspect.targets import fake_group
 from dsa_dcp.kv_cache import allocate_kv_cache
 from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
@@ -27,17 +26,6 @@ from dsa_dcp.passes.share_remaps import ShareRemaps
 SPARSE_MLA = torch.ops.dsa_dcp.sparse_mla.default
 TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
 S, DC, DR, B, H, K = 32, 8, 4, 4, 2, 6
-
-
-@contextlib.contextmanager
-def fake_group(world):
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _compile_stats(fn, *args, world=2, merge="ag", **options):

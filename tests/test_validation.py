@@ -4,10 +4,9 @@ import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dsa_dcp
+from dsa_dcp.inspect.targets import fake_group as fake_pg
 from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.validate import DCPValidationError
 
@@ -36,9 +35,8 @@ def _inputs(cache, seed=0, heads=H):
 
 @pytest.fixture
 def fake_group():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
+    with fake_pg(2):
+        yield
 
 
 def _problems(fn, options, cache, heads=H):
