@@ -51,20 +51,21 @@ class CompileReport:
         return {p.name: p.stats for p in self.passes}
 
 
-_reports: list[CompileReport] = []
+# Only the latest: a report holds its lowered step (CUDA graphs, their memory pool, weight shards),
+# which must not outlive the compiled function. Earlier ones stay reachable, weakly, through
+# dsa_dcp.inspect's registry.
+_last_report: CompileReport | None = None
 
 
 def last_report() -> CompileReport | None:
     """The report of the most recent compilation in this process."""
-    return _reports[-1] if _reports else None
+    return _last_report
 
 
 def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
     """Resolve this rank and its group; the problems found (the group's size must be ``dcp_size``)."""
     if options.dcp_size == 1:
         return CompileContext(options=options, rank=0, group_name=None), []
-    if options.rank is not None and not dist.is_initialized():
-        return CompileContext(options=options, rank=options.rank, group_name=None), []
     if not dist.is_initialized():
         raise OptionsError(
             f"dcp_size={options.dcp_size} needs an initialized torch.distributed process group "
@@ -89,6 +90,7 @@ def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
 def dsa_dcp_backend(
     gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: dict[str, Any] | None = None
 ) -> Callable:
+    global _last_report
     opts = DCPOptions.parse(options)
     ctx, problems = compile_context(opts)
     ctx = dataclasses.replace(ctx, example_inputs=tuple(example_inputs))
@@ -107,7 +109,7 @@ def dsa_dcp_backend(
     report.graph_after = gm.code
     report.summary = graph_summary(gm.graph)
     report.analysis = _analyze(gm, example_inputs, opts)
-    _reports.append(report)
+    _last_report = report
     registry.record(report, example_inputs)  # so dsa_dcp.inspect(compiled) finds it
     report.lowered = lower(gm, example_inputs, opts)
     return report.lowered

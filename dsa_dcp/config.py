@@ -21,8 +21,8 @@ class DCPOptions:
     dcp_size:     ranks in the DCP group (1 = no context parallelism: the graph is left as written).
     group:        the ``torch.distributed`` process group of the DCP ranks (or its group name);
                   ``None`` means the default (world) group. Its size must equal ``dcp_size``.
-    rank:         this rank in the group; ``None`` asks the group. Set it only to compile for a
-                  rank without a live group (inspection).
+    rank:         this rank in the group; ``None`` asks the group. A value is checked against the
+                  group's (inspection compiles for rank 0 of a fake group).
     merge:        how partial attention results are merged: one of ``MERGE_MODES``.
     interleave:   consecutive slots kept together on one rank (slot ``s`` lives on ``(s // I) % N``).
     lowering:     ``"fx"`` runs the rewritten FX graph as Python code; ``"inductor"`` hands it to

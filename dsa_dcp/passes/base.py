@@ -21,7 +21,7 @@ class CompileContext:
     """What a pass may depend on: the options and where this rank sits in its DCP group.
 
     ``group_name`` names the process group for functional collectives (``None`` when
-    ``dcp_size == 1`` or when compiling for inspection without a live group).
+    ``dcp_size == 1``).
     """
 
     options: DCPOptions
