@@ -4,10 +4,64 @@ import pytest
 import torch
 
 import dsa_dcp
+from dsa_dcp.lowering import written_inputs
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
 
 gpu = pytest.mark.gpu
 STEPS = 32
+KV_STORE = torch.ops.dsa_dcp.kv_store.default
+SPARSE_MLA = torch.ops.dsa_dcp.sparse_mla.default
+
+
+def _store_and_attend(q_nope, q_pe, cache, topk, slots, rows):
+    KV_STORE(cache[:, :], slots, rows)  # through a view: still a write into the input
+    out, _ = SPARSE_MLA(q_nope, q_pe, cache, topk, 0.5)
+    return out
+
+
+def _step_inputs(seed, device, S=40, B=4, H=4, DC=16, DR=8, K=6):
+    g = torch.Generator().manual_seed(seed)
+    args = (torch.randn(B, H, DC, generator=g), torch.randn(B, H, DR, generator=g), None,
+            torch.randint(-1, S, (B, K), generator=g), torch.randperm(S, generator=g)[:B],
+            torch.randn(B, DC + DR, generator=g))
+    return [a.to(device) if a is not None else None for a in args], (S, DC + DR)
+
+
+def test_written_inputs_are_found():
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    (q_nope, q_pe, _, topk, slots, rows), (s, d) = _step_inputs(0, "cpu")
+    torch._dynamo.reset()
+    torch.compile(_store_and_attend, backend=keep, fullgraph=True)(q_nope, q_pe, torch.zeros(s, d), topk, slots, rows)
+    (gm,) = graphs
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == 6
+    assert [placeholders[i] for i in written_inputs(gm)] == ["l_cache_"]  # the cache, and nothing else
+
+
+@gpu
+def test_replay_writes_a_cache_passed_as_an_argument():
+    """A KV cache given as a step argument (not a buffer) is written where it is, replay after replay."""
+    torch._dynamo.reset()
+    step = torch.compile(_store_and_attend, backend="dsa_dcp", fullgraph=True, dynamic=False)
+    (_, _, _, _, _, _), (s, d) = _step_inputs(0, "cuda")
+    cache, ref_cache = torch.zeros(s, d, device="cuda"), torch.zeros(s, d, device="cuda")
+    for seed in range(4):  # capture, then replays with new slots and rows
+        (q_nope, q_pe, _, topk, slots, rows), _ = _step_inputs(seed, "cuda")
+        out = step(q_nope, q_pe, cache, topk, slots, rows)
+        ref = _store_and_attend(q_nope, q_pe, ref_cache, topk, slots, rows)
+        torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    other, other_ref = torch.zeros(s, d, device="cuda"), torch.zeros(s, d, device="cuda")
+    step(q_nope, q_pe, other, topk, slots, rows)  # another cache: its own graph, its own writes
+    _store_and_attend(q_nope, q_pe, other_ref, topk, slots, rows)
+    torch.testing.assert_close(other, other_ref, rtol=0, atol=0)
+    lowered = dsa_dcp.backend_report().lowered
+    assert len(lowered.graphs) == 2 and lowered.uncaptured_calls == 0
 
 
 def _pair(batch_sizes, layers=8):

@@ -5,15 +5,19 @@ buckets (``options.batch_sizes``) compiles, and is captured, once per bucket. ``
 wraps the compiled callable:
 
 - Inputs whose address never changes between calls (parameters and buffers, which dynamo marks
-  static — the KV caches among them) are used in place. The other inputs (rows, page table) are
-  copied into static buffers before each replay, so a caller that changes its tensors in place
-  between steps is always seen.
+  static — the KV caches among them) are used in place. So are the other inputs the step writes
+  in place (a KV cache passed as an argument): their address is part of the graph's key, so a
+  different cache gets its own graph and the writes always land in the caller's tensor. The
+  remaining inputs (rows, page table) are copied into static buffers before each replay, so a
+  caller that changes its tensors in place between steps is always seen.
 - The first call of a shape runs the step eagerly twice on a side stream (compiling every Triton
   kernel and letting allocators settle), then captures it once and replays it. KV writes repeat
   the same rows to the same slots, so the warm-up runs are harmless.
 - A shape whose leading dimension exceeds the largest bucket runs uncaptured.
 - Outputs are copied out of the graph's static buffers, so a result stays valid after the next
   step.
+- ``kernels_per_step()`` counts the kernels a graph replays by running its step once more under
+  the profiler, when first asked (benchmarks and inspection ask; a serving step never pays it).
 
 Everything inside the step must be capturable: no host syncs, no data-dependent shapes. The
 ``sparse_mla`` op uses its Triton kernel while a capture is under way (FlashInfer plans on the
@@ -35,9 +39,10 @@ def _is_static(t: object) -> bool:
 
 
 class _Captured:
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list, copied: list[int], outputs, kernels: int | None):
-        self.graph, self.inputs, self.outputs, self.kernels = graph, inputs, outputs, kernels
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list, copied: list[int], outputs):
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs
         self.copied = copied  # positions of the inputs copied in before each replay
+        self.kernels: int | None = None  # counted when first asked
 
 
 def count_kernels(fn: Callable, args: Sequence) -> int:
@@ -54,21 +59,23 @@ def count_kernels(fn: Callable, args: Sequence) -> int:
 class CudaGraphStep:
     """``fn`` replayed from one CUDA graph per input signature (see module docstring)."""
 
-    def __init__(self, fn: Callable, example_inputs: Sequence, batch_sizes: Sequence[int], count: bool = False):
+    def __init__(self, fn: Callable, example_inputs: Sequence, batch_sizes: Sequence[int], written: Sequence[int] = ()):
+        """``written``: positions of the inputs ``fn`` writes in place (see ``lowering.written_inputs``)."""
         self.fn = fn
         self.max_rows = max(batch_sizes)
         self.static = [_is_static(t) for t in example_inputs]
         # only these positions can change between calls; the per-call Python work loops over them
         self.varying = [i for i, static in enumerate(self.static) if not static]
-        self.count = count
+        self.in_place = {i for i in self.varying if i in set(written)}  # used where they are, never copied
         self.graphs: dict[tuple, _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.uncaptured_calls = 0
 
     def _signature(self, args: Sequence) -> tuple:
         return tuple(
-            (tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
-            for a in (args[i] for i in self.varying)
+            ((tuple(a.shape), a.dtype, a.device) + ((a.data_ptr(),) if i in self.in_place else ()))
+            if isinstance(a, torch.Tensor) else a
+            for i, a in ((i, args[i]) for i in self.varying)
         )
 
     def _capturable(self, args: Sequence) -> bool:
@@ -77,11 +84,16 @@ class CudaGraphStep:
             for a in (args[i] for i in self.varying)
         )
 
-    def kernels_per_step(self) -> dict[tuple, int | None]:
+    def kernels_per_step(self) -> dict[tuple, int]:
+        """Kernels each captured graph replays. Counting runs each step once more, eagerly, on its
+        last inputs (which repeats its KV writes: the same rows into the same slots)."""
+        for c in self.graphs.values():
+            if c.kernels is None:
+                c.kernels = count_kernels(self.fn, c.inputs)
         return {sig: c.kernels for sig, c in self.graphs.items()}
 
     def _capture(self, args: list) -> _Captured:
-        copied = [i for i in self.varying if isinstance(args[i], torch.Tensor)]
+        copied = [i for i in self.varying if isinstance(args[i], torch.Tensor) and i not in self.in_place]
         inputs = list(args)
         for i in copied:
             inputs[i] = args[i].clone()
@@ -91,12 +103,11 @@ class CudaGraphStep:
             for _ in range(2):
                 self.fn(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
-        kernels = count_kernels(self.fn, inputs) if self.count else None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = self.fn(*inputs)
-        log.debug("captured a CUDA graph for %s (%s kernels)", self._signature(args), kernels)
-        return _Captured(graph, inputs, copied, outputs, kernels)
+        log.debug("captured a CUDA graph for %s", self._signature(args))
+        return _Captured(graph, inputs, copied, outputs)
 
     def __call__(self, *args):
         if not self._capturable(args):
