@@ -6,10 +6,9 @@ plain data and never keeps the graph, the model or its inputs alive:
 - shapes come from running the graph once on fake tensors (an ``fx.Interpreter`` under a
   ``FakeTensorMode``, as ``FakeTensorProp`` does, but writing nothing into ``node.meta``: the graph
   is lowered afterwards and must not carry a foreign fake mode);
-- the structure comes from a ``networkx`` dataflow view of the FX graph
-  (``dsa_dcp.passes.dataflow.to_networkx`` when that module is present, else ``dataflow_graph``
-  here): every node is attributed to the latest sparse attention node it depends on, which is
-  how a collective or a merge is tied to its layer.
+- the structure comes from the FX graph's own order and edges: every node is attributed to the
+  latest sparse attention node it depends on, which is how a collective or a merge is tied to its
+  layer.
 """
 
 from __future__ import annotations
@@ -18,22 +17,14 @@ import dataclasses
 import operator
 from typing import Any, Sequence
 
-import networkx as nx
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dsa_dcp import merge
-from dsa_dcp.ops import SPARSE_ATTENTION_OPS
-from dsa_dcp.passes.graph import alias_base, is_collective
+from dsa_dcp.passes.graph import FUSED_MERGE, MERGE_TARGETS, TOPK_REMAP, alias_base, is_collective, \
+    sparse_attention_nodes
 
 C10D = torch.ops._c10d_functional
-TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
-# A fused merge (exchange + combine in one op, ``merge="fused_a2a"``) is both a merge and a
-# collective: it moves its packed ``(out, lse)`` as an all-to-all does.
-FUSED_MERGE = getattr(getattr(torch.ops.dsa_dcp, "fused_a2a_merge", None), "default", None)
-MERGE_TARGETS = tuple(t for t in (torch.ops.dsa_dcp.lse_combine.default, merge.finish_reduce_scatter, FUSED_MERGE)
-                      if t is not None)
 
 # Bytes a rank sends for one collective whose per-rank input is ``b`` bytes, over ``n`` ranks
 # (direct/ring algorithms): all-gather sends its shard to each other rank; all-to-all and
@@ -114,26 +105,6 @@ def process_group_note(dcp_size: int) -> str:
     return "none"
 
 
-def dataflow_graph(graph: fx.Graph) -> nx.DiGraph:
-    """A ``networkx`` view of ``graph``, keyed by node name, an edge from each input to its user.
-
-    It is the passes' own view (``dsa_dcp.passes.dataflow.to_networkx``, which the remap-sharing
-    pass analyses too) when that module is present; otherwise the same edges built here.
-    """
-    try:
-        from dsa_dcp.passes.dataflow import to_networkx
-    except ImportError:
-        to_networkx = None
-    if to_networkx is not None:
-        return to_networkx(graph)
-    g = nx.DiGraph()
-    for node in graph.nodes:
-        g.add_node(node.name)
-        for inp in node.all_input_nodes:
-            g.add_edge(inp.name, node.name)
-    return g
-
-
 class _ShapeProp(fx.Interpreter):
     """Runs the graph on fake tensors and keeps the input metadata of each collective."""
 
@@ -180,18 +151,15 @@ def _group_size(node: fx.Node, dcp_size: int) -> int:
 def analyze(gm: fx.GraphModule, example_inputs: Sequence[Any], dcp_size: int, merge_mode: str | None) -> GraphAnalysis:
     """Per-layer dataflow and collective bytes of ``gm`` (see module docstring)."""
     graph = gm.graph
-    view = dataflow_graph(graph)
-    attns = [n for n in graph.nodes if n.op == "call_function" and n.target in SPARSE_ATTENTION_OPS]
+    attns = sparse_attention_nodes(graph)
     index = {a: i for i, a in enumerate(attns)}
 
-    # Each node belongs to the latest attention node it depends on (None: before the first).
-    by_name = {n.name: n for n in graph.nodes}
-    latest: dict[str, int | None] = {}
-    for name in nx.topological_sort(view):
-        preds = [latest[p] for p in view.predecessors(name) if latest.get(p) is not None]
-        node = by_name[name]
-        latest[name] = index[node] if node in index else (max(preds) if preds else None)
-    owner = {by_name[name]: i for name, i in latest.items()}
+    # Each node belongs to the latest attention node it depends on (None: before the first); an
+    # FX graph's node order is a topological order.
+    owner: dict[fx.Node, int | None] = {}
+    for node in graph.nodes:
+        preds = [owner[p] for p in node.all_input_nodes if owner[p] is not None]
+        owner[node] = index[node] if node in index else (max(preds) if preds else None)
 
     sources: dict[fx.Node, TopkSource] = {}
     remaps: dict[fx.Node, RemapGroup] = {}
@@ -212,7 +180,7 @@ def analyze(gm: fx.GraphModule, example_inputs: Sequence[Any], dcp_size: int, me
                                 topk_source=src.id, remap=remap.name if remap is not None else None,
                                 merge=None, collectives=[]))
 
-    coll_nodes = [n for n in graph.nodes if is_collective(n) or (FUSED_MERGE is not None and n.target is FUSED_MERGE)]
+    coll_nodes = [n for n in graph.nodes if is_collective(n) or n.target is FUSED_MERGE]
     for node in graph.nodes:
         if node.op == "call_function" and node.target in MERGE_TARGETS and owner.get(node) is not None:
             flow = layers[owner[node]]

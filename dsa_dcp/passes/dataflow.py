@@ -28,12 +28,8 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from dsa_dcp import merge
-from dsa_dcp.ops import SPARSE_ATTENTION_OPS
-from dsa_dcp.passes.graph import VIEW_FUNCTIONS, VIEW_METHODS, is_collective, placeholder_values
+from dsa_dcp.passes.graph import VIEW_FUNCTIONS, VIEW_METHODS, node_kind, placeholder_values
 
-TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
-KV_STORE = torch.ops.dsa_dcp.kv_store.default
 _INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand,
                       operator.ior, operator.ixor, operator.ilshift, operator.irshift}
@@ -45,20 +41,6 @@ def target_name(target: object) -> str:
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(target)
     return getattr(target, "__name__", str(target))
-
-
-def node_kind(node: fx.Node) -> str | None:
-    if node.op != "call_function":
-        return None
-    if node.target in SPARSE_ATTENTION_OPS:
-        return "sparse_attention"
-    if node.target is TOPK_REMAP:
-        return "topk_remap"
-    if node.target is KV_STORE:
-        return "kv_write"
-    if node.target in (torch.ops.dsa_dcp.lse_combine.default, merge.finish_reduce_scatter):
-        return "merge"
-    return "collective" if is_collective(node) else None
 
 
 def recorded_layer(node: fx.Node) -> int | None:

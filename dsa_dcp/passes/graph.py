@@ -88,23 +88,40 @@ def is_collective(node: fx.Node) -> bool:
     )
 
 
+# A fused merge (exchange + combine in one op, ``merge="fused_a2a"``) is a merge that is also a
+# collective: it moves its packed ``(out, lse)`` as an all-to-all does.
+FUSED_MERGE = torch.ops.dsa_dcp.fused_a2a_merge.default
+MERGE_TARGETS = (torch.ops.dsa_dcp.lse_combine.default, merge.finish_reduce_scatter, FUSED_MERGE)
+TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
+KV_STORE = torch.ops.dsa_dcp.kv_store.default
+
+
+def node_kind(node: fx.Node) -> str | None:
+    """``sparse_attention``, ``topk_remap``, ``kv_write``, ``merge`` or ``collective`` (else ``None``)."""
+    if node.op != "call_function":
+        return None
+    if node.target in SPARSE_ATTENTION_OPS:
+        return "sparse_attention"
+    if node.target is TOPK_REMAP:
+        return "topk_remap"
+    if node.target is KV_STORE:
+        return "kv_write"
+    if node.target in MERGE_TARGETS:
+        return "merge"
+    return "collective" if is_collective(node) else None
+
+
+_SUMMARY_KEYS = {"sparse_attention": "sparse_attention_nodes", "topk_remap": "remaps", "merge": "merges",
+                 "collective": "collectives", "kv_write": "kv_writes"}
+
+
 def graph_summary(graph: fx.Graph) -> dict[str, int]:
     """What one run of the graph does, in the units users ask about."""
-    counts = {"sparse_attention_nodes": 0, "remaps": 0, "merges": 0, "collectives": 0, "kv_writes": 0}
+    counts = dict.fromkeys(("sparse_attention_nodes", "remaps", "merges", "collectives", "kv_writes"), 0)
     for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target in SPARSE_ATTENTION_OPS:
-            counts["sparse_attention_nodes"] += 1
-        elif node.target is torch.ops.dsa_dcp.topk_remap.default:
-            counts["remaps"] += 1
-        elif node.target in (torch.ops.dsa_dcp.lse_combine.default, merge.finish_reduce_scatter):
-            counts["merges"] += 1
-        elif node.target is torch.ops.dsa_dcp.fused_a2a_merge.default:  # a merge with its exchange inside
-            counts["merges"] += 1
-            counts["collectives"] += 1
-        elif node.target is torch.ops.dsa_dcp.kv_store.default:
-            counts["kv_writes"] += 1
-        elif is_collective(node):
+        kind = node_kind(node)
+        if kind is not None:
+            counts[_SUMMARY_KEYS[kind]] += 1
+        if node.target is FUSED_MERGE:
             counts["collectives"] += 1
     return counts

@@ -23,8 +23,8 @@ import torch.fx as fx
 
 from dsa_dcp.ops import SPARSE_ATTENTION_OPS
 from dsa_dcp.passes.base import CompileContext, DCPPass, log
-from dsa_dcp.passes.dataflow import TOPK_REMAP, alias_classes, to_networkx
-from dsa_dcp.passes.graph import getitem_users
+from dsa_dcp.passes.dataflow import alias_classes, to_networkx
+from dsa_dcp.passes.graph import TOPK_REMAP, getitem_users
 from dsa_dcp.passes.values import ValueNumbering
 
 
