@@ -86,13 +86,13 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> list[dict]:
 def step_latency(rank: int, world: int, spec: RunSpec) -> list[dict]:
     import triton
 
-    from dsa_dcp.bench.step import _decode_inputs
+    from dsa_dcp.models.runner import decode_step_inputs
     from dsa_dcp.models import DSAModel, get_config
 
     cfg = get_config("glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768)
     rows = []
     for batch in spec.batches:
-        inputs, num_slots = _decode_inputs(cfg, batch, spec.context, spec.device)
+        inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, spec.device)
         for merge in ("single",) + spec.merges:
             n = 1 if merge == "single" else world
             torch._dynamo.reset()

@@ -31,30 +31,20 @@ class StepBenchSpec:
     rep_ms: int = 500
 
 
-def _decode_inputs(cfg, batch: int, context: int, device):
-    page = cfg.page_size
-    pages_per_req = -(-(context + 1) // page)
-    page_table = torch.arange(batch * pages_per_req, dtype=torch.int32, device=device).view(batch, pages_per_req)
-    positions = torch.full((batch,), context, dtype=torch.int64, device=device)
-    req_ids = torch.arange(batch, dtype=torch.int64, device=device)
-    slots = page_table[req_ids, positions // page].long() * page + positions % page
-    input_ids = torch.randint(0, cfg.vocab_size, (batch,), device=device)
-    return (input_ids, positions, req_ids, slots, page_table), batch * pages_per_req * page
-
-
 def run_step_bench(spec: StepBenchSpec) -> list[dict]:
     import triton
 
     from dsa_dcp.backend import last_report
     from dsa_dcp.lowering.cuda_graphs import count_kernels
     from dsa_dcp.models import DSAModel, get_config
+    from dsa_dcp.models.runner import decode_step_inputs
 
     device = torch.device("cuda")
     dtype = getattr(torch, spec.dtype)
     cfg = get_config("glm5", n_layers=spec.layers, intermediate_size=spec.intermediate, vocab_size=spec.vocab)
     rows = []
     for batch in spec.batches:
-        inputs, num_slots = _decode_inputs(cfg, batch, spec.context, device)
+        inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, device)
         torch.manual_seed(0)
         model = DSAModel(cfg, num_slots, dtype=dtype, device=device, seed=0)
         with torch.no_grad():

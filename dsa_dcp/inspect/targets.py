@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dsa_dcp.models import ALIASES, CONFIGS, DSAModel, get_config
+from dsa_dcp.models.runner import decode_step_inputs
 
 FAKE_GROUP_NOTE = ("fake process group (torch.distributed 'fake' backend, world size {n}): rank 0 compiled "
                    "in one process; collectives are traced and run as no-ops")
@@ -56,20 +57,6 @@ def fake_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _decode_inputs(cfg, rows: int, device: str) -> tuple[tuple, int]:
-    """One step's inputs: ``rows`` decode rows of ``rows`` requests, a page table wide enough for
-    the full top-k (``K = index_topk``); returns ``(inputs, num_slots)``."""
-    pages = max(1, math.ceil(cfg.index_topk / cfg.page_size))
-    num_slots = rows * pages * cfg.page_size
-    page_table = torch.arange(rows * pages, dtype=torch.int32).view(rows, pages)
-    positions = torch.full((rows,), pages * cfg.page_size - 1, dtype=torch.int64)
-    req_ids = torch.arange(rows, dtype=torch.int64)
-    slots = page_table[req_ids, positions // cfg.page_size].long() * cfg.page_size + positions % cfg.page_size
-    input_ids = torch.zeros(rows, dtype=torch.int64)
-    inputs = tuple(t.to(device) for t in (input_ids, positions, req_ids, slots, page_table))
-    return inputs, num_slots
-
-
 def builtin_model(name: str, dcp_size: int, interleave: int = 1, rows: int = 4) -> tuple[Any, tuple, Any, str]:
     """``(model, example_inputs, config, how)`` for a built-in config (see module docstring).
 
@@ -79,7 +66,9 @@ def builtin_model(name: str, dcp_size: int, interleave: int = 1, rows: int = 4) 
     cfg = get_config(name)
     tiny = cfg.name.endswith("-tiny")
     device = "cpu" if tiny else "meta"
-    inputs, num_slots = _decode_inputs(cfg, rows, device)
+    # the full top-k (K = index_topk) fits in each request's pages
+    pages = max(1, math.ceil(cfg.index_topk / cfg.page_size))
+    inputs, num_slots = decode_step_inputs(cfg, rows, pages * cfg.page_size - 1, device)
     if tiny:
         model = DSAModel(cfg, num_slots, dcp_size=dcp_size, interleave=interleave)
         how = (f"DSAModel({cfg.name}): {cfg.n_layers} layers, {len(cfg.indexer_layers)} with an indexer; "

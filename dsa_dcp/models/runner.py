@@ -146,6 +146,19 @@ def standard_test_batch(cfg: DSAConfig, *, max_new_tokens: int = 4, seed: int = 
                          start_steps=[0, 0, 1, 2], prefill_chunk=k, seed=seed)
 
 
+def decode_step_inputs(cfg: DSAConfig, batch: int, context: int, device) -> tuple[tuple, int]:
+    """One decode step of ``batch`` requests, each at position ``context`` with its own pages
+    (token ids 0): ``((input_ids, positions, req_ids, slots, page_table), num_slots)``."""
+    page = cfg.page_size
+    pages_per_req = -(-(context + 1) // page)
+    page_table = torch.arange(batch * pages_per_req, dtype=torch.int32, device=device).view(batch, pages_per_req)
+    positions = torch.full((batch,), context, dtype=torch.int64, device=device)
+    req_ids = torch.arange(batch, dtype=torch.int64, device=device)
+    slots = page_table[req_ids, positions // page].long() * page + positions % page
+    input_ids = torch.zeros(batch, dtype=torch.int64, device=device)
+    return (input_ids, positions, req_ids, slots, page_table), batch * pages_per_req * page
+
+
 def pad_rows(rows: dict[str, Tensor], pad_to: int) -> dict[str, Tensor]:
     """Append padding rows (token 0, position -1, request 0, slot -1) up to ``pad_to`` rows."""
     t = rows["slots"].shape[0]
