@@ -121,6 +121,10 @@ class Inspection:
     def analysis(self):
         return self.report.analysis
 
+    @property
+    def note(self) -> str:
+        return self.analysis.note if self.analysis is not None else "graph analysis unavailable"
+
     def kernels_per_step(self) -> Any:
         counter = getattr(self.report, "kernels_per_step", None)
         value = counter() if callable(counter) else counter
@@ -195,7 +199,7 @@ class Inspection:
                 for p in r.passes
             ],
             "memory": self.memory.as_dict() if self.memory is not None else None,
-            "note": self.analysis.note if self.analysis is not None else "graph analysis unavailable",
+            "note": self.note,
         }
 
     def to_json(self) -> str:
@@ -257,15 +261,16 @@ class Inspection:
             "",
             "summary (one step, this rank)",
         ]
-        width = max(len(k) for k, _ in self.summary_rows()) + 2
-        lines += [f"  {k:<{width}}{v}" for k, v in self.summary_rows()]
+        rows = self.summary_rows()
+        width = max(len(k) for k, _ in rows) + 2
+        lines += [f"  {k:<{width}}{v}" for k, v in rows]
         lines += ["", "passes (graph before/after each: --out DIR writes graphs/*.py and report.html)"]
         lines += [f"  {row}" for row in self.pass_rows()]
         if self.memory is not None:
             lines += ["", "memory plan (from the config; nothing allocated)"]
             width = max(len(k) for k, _ in self.memory.rows()) + 2
             lines += [f"  {k:<{width}}{v}" for k, v in self.memory.rows()]
-        note = self.to_dict()["note"]
+        note = self.note
         if note:
             lines += ["", f"note: {note}"]
         return "\n".join(lines)
