@@ -104,10 +104,9 @@ class DCPRewrite(DCPPass):
     @staticmethod
     def _insert_topk_check(gm: fx.GraphModule, ctx: CompileContext, attn: fx.Node, layer: int) -> None:
         """``debug_checks``: a side-effect node before the remap (its result is unused, so remap
-        sharing sees the same top-k)."""
-        cache = placeholder_values(gm, ctx.example_inputs).get(alias_base(attn.args[2]))
-        layout = kv_layout(cache) if isinstance(cache, torch.Tensor) else None
-        num_slots = layout.num_slots if layout is not None else ctx.dcp_size * cache.shape[0]
+        sharing sees the same top-k). The cache's layout is known: localize_kv_writes refused any other."""
+        cache = placeholder_values(gm, ctx.example_inputs)[alias_base(attn.args[2])]
+        num_slots = kv_layout(cache).num_slots
         with gm.graph.inserting_before(attn):
             gm.graph.call_function(check_topk, (attn.args[3], num_slots, layer, ctx.dcp_size, ctx.group_name))
 
