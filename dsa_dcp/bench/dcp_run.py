@@ -43,7 +43,34 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
+_CALLS_PER_GROUP = 20
+
+
+def _median_call_us(fn, groups: int = 7, calls_per_group: int = _CALLS_PER_GROUP, warmup: int = 10) -> float:
+    """Median over ``groups`` of the time per call of ``calls_per_group`` back-to-back calls (us).
+
+    Every rank makes exactly the same number of calls: a step holds collectives, so a timer that
+    picks its repetition count from a first measurement (as ``do_bench`` does) could leave one rank
+    waiting for a collective the other never enters.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(groups):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls_per_group):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls_per_group)
+    return statistics.median(times)
+
+
 def check_correctness(rank: int, world: int, spec: RunSpec) -> list[dict]:
+    from dsa_dcp.kernels import fused_merge
     from dsa_dcp.models import DSAModel, generate, get_config, make_requests, standard_test_batch
     from dsa_dcp.slots import local_cache_rows
 
@@ -79,13 +106,13 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> list[dict]:
                     "kv_rows_per_rank": model.kv_caches()[0].shape[0],
                     "kv_rows_expected": local_cache_rows(batch.num_slots, world),
                 })
+                if merge == "fused_a2a" and torch.device(spec.device).type == "cuda":
+                    rows[-1]["fused_kernel"] = fused_merge.has_workspace(dist.group.WORLD.group_name)
                 del model, step
     return rows
 
 
 def step_latency(rank: int, world: int, spec: RunSpec) -> list[dict]:
-    import triton
-
     from dsa_dcp.models.runner import decode_step_inputs
     from dsa_dcp.models import DSAModel, get_config
 
@@ -103,14 +130,14 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> list[dict]:
                 options = {"batch_sizes": [batch]} if n == 1 else {"dcp_size": n, "merge": merge, "batch_sizes": [batch]}
                 step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
                 step(*inputs)
-                dist.barrier()
-                us = 1e3 * triton.testing.do_bench(lambda: step(*inputs), warmup=50, rep=300, return_mode="median")
+                us = _median_call_us(lambda: step(*inputs))
             rows.append({"batch": batch, "merge": "dcp1" if n == 1 else merge, "N": n, "layers": spec.layers,
                          "step_us": us})
     return rows
 
 
 def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: int = 512) -> list[dict]:
+    from dsa_dcp.kernels import fused_merge
     from dsa_dcp.ops import _composed_a2a_merge
 
     group = dist.group.WORLD.group_name
@@ -123,34 +150,36 @@ def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: in
         ref, got = unfused(), fused()
         torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=2e-2, atol=2e-2)
         row = {"batch": b, "N": world, "heads_per_rank": heads // world}
+        row["fused_kernel"] = fused_merge.has_workspace(group)
         for name, fn in (("fused", fused), ("unfused", unfused)):
             fn()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                for _ in range(20):
+                for _ in range(_CALLS_PER_GROUP):
                     fn()
-            times = []
-            for _ in range(7):
-                dist.barrier()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / 20)
-            row[f"{name}_us"] = statistics.median(times)
+            row[f"{name}_us"] = _median_call_us(graph.replay, calls_per_group=1) / _CALLS_PER_GROUP
         row["unfused_over_fused"] = row["unfused_us"] / row["fused_us"]
         rows.append(row)
     return rows
 
 
-def run(rank: int, world: int, spec: RunSpec) -> dict:
-    results = {"correctness": check_correctness(rank, world, spec)}
-    if torch.device(spec.device).type == "cuda":
-        results["step_latency"] = step_latency(rank, world, spec)
-        if "fused_a2a" in spec.merges:
-            results["merge_per_layer"] = merge_per_layer(rank, world, spec)
+PARTS = ("correctness", "latency", "merge")
+
+
+def run(rank: int, world: int, spec: RunSpec, parts: tuple[str, ...] = PARTS, report=None) -> dict:
+    """The parts asked for (the speed parts on CUDA only); ``report(name, rows)`` is called as each
+    part finishes, so a run cut short still leaves what it measured."""
+    results = {}
+    on_cuda = torch.device(spec.device).type == "cuda"
+    steps = [("correctness", check_correctness, "correctness" in parts),
+             ("step_latency", step_latency, on_cuda and "latency" in parts),
+             ("merge_per_layer", merge_per_layer, on_cuda and "merge" in parts and "fused_a2a" in spec.merges)]
+    for name, fn, wanted in steps:
+        if wanted:
+            results[name] = fn(rank, world, spec)
+            if report is not None:
+                report(name, results[name])
     return results
 
 
@@ -172,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merges", nargs="+", default=list(RunSpec.merges))
     p.add_argument("--layers", type=int, default=RunSpec.layers)
     p.add_argument("--batches", type=int, nargs="+", default=list(RunSpec.batches))
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--json")
     args = p.parse_args(argv)
     rank, world = init_from_env("nccl" if args.device == "cuda" else "gloo")
@@ -179,14 +209,20 @@ def main(argv: list[str] | None = None) -> int:
                    tiny_only=args.device == "cpu")
     if args.device == "cuda":
         spec = dataclasses.replace(spec, device=f"cuda:{torch.cuda.current_device()}")
-    results = run(rank, world, spec)
-    if rank == 0:
-        for name, rows in results.items():
-            print(f"\n{name} (N = {world})\n{_table(rows)}")
+    written = {}
+
+    def report(name: str, rows: list[dict]) -> None:
+        if rank != 0:
+            return
+        print(f"\n{name} (N = {world})\n{_table(rows)}", flush=True)
+        written[name] = rows
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
-    ok = all(r["tokens_match"] and r["kv_rows_per_rank"] == r["kv_rows_expected"] for r in results["correctness"])
+                json.dump(written, f, indent=1)
+
+    results = run(rank, world, spec, tuple(args.parts), report)
+    ok = all(r["tokens_match"] and r["kv_rows_per_rank"] == r["kv_rows_expected"] and r.get("fused_kernel", True)
+             for r in results.get("correctness", []))
     dist.destroy_process_group()
     return 0 if ok else 1
 

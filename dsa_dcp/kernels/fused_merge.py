@@ -41,6 +41,7 @@ without spinning.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import triton
@@ -226,6 +227,7 @@ def fused_a2a_merge_triton(out: torch.Tensor, lse: torch.Tensor, ws: MergeWorksp
 # Workspaces by process-group name: registered by a harness, or created in symmetric memory on the
 # first call (which happens in a warm-up run, before any CUDA-graph capture).
 _workspaces: dict[str, MergeWorkspace] = {}
+_workspace_failures: dict[str, str] = {}  # why a group has none (warned once)
 
 
 def register_workspace(group_name: str, ws: MergeWorkspace) -> None:
@@ -242,10 +244,20 @@ def workspace_for(group_name: str, out: torch.Tensor, dcp_size: int, rank: int) 
         max_rows = max(64, next_pow2(out.shape[0]))
         ws = MergeWorkspace.symmetric(group_name, dcp_size, rank, max_rows, out.shape[1], out.shape[2],
                                       out.dtype, out.device)
-    except Exception:  # noqa: BLE001 - no symmetric memory here (one GPU per rank needed): fall back
+    except Exception as e:  # noqa: BLE001 - no symmetric memory here (one GPU per rank needed): fall back
+        if group_name not in _workspace_failures:
+            _workspace_failures[group_name] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"fused_a2a_merge: no symmetric-memory workspace for group {group_name!r} "
+                          f"({_workspace_failures[group_name]}); using the composed merge (pack, all-to-all, "
+                          "combine) instead", RuntimeWarning, stacklevel=2)
         return None
     _workspaces[group_name] = ws
     return ws
+
+
+def has_workspace(group_name: str) -> bool:
+    """Whether the fused kernel (not the composed fallback) serves ``group_name``."""
+    return group_name in _workspaces
 
 
 def unavailable_reason(group_name: str) -> str | None:
