@@ -5,7 +5,7 @@ from dsa_dcp.launch import run_on_ranks
 
 
 def _rank(rank, world):
-    return check_correctness(rank, world, RunSpec(device="cpu", merges=("ag_rs", "fused_a2a"), steps=4, tiny_only=True))
+    return list(check_correctness(rank, world, RunSpec(device="cpu", merges=("ag_rs", "fused_a2a"), steps=4, tiny_only=True)))
 
 
 def test_run_script_correctness_part_on_cpu_ranks():

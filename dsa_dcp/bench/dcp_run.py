@@ -21,8 +21,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
+import signal
 import statistics
+import sys
+import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,6 +42,15 @@ class RunSpec:
     steps: int = 8
     context: int = 4096
     tiny_only: bool = False
+
+
+_T0 = time.monotonic()
+
+
+def _progress(msg: str) -> None:
+    """A timestamped line on rank 0's stderr, so a slow or stuck run shows where it is."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[{time.monotonic() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,7 +83,7 @@ def _median_call_us(fn, groups: int = 7, calls_per_group: int = _CALLS_PER_GROUP
     return statistics.median(times)
 
 
-def check_correctness(rank: int, world: int, spec: RunSpec) -> list[dict]:
+def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     from dsa_dcp.kernels import fused_merge
     from dsa_dcp.models import DSAModel, generate, get_config, make_requests, standard_test_batch
     from dsa_dcp.slots import local_cache_rows
@@ -78,7 +92,6 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> list[dict]:
     if not spec.tiny_only:
         configs.insert(0, ("glm5.2 (real attention dims)", get_config(
             "glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768, page_size=64)))
-    rows = []
     for label, cfg in configs:
         if cfg.index_topk > 64:  # real top-k 2048: two requests shorter than it, two longer
             batch = make_requests(cfg, [3, 100, 2100, 2500], max_new_tokens=spec.steps, start_steps=[0, 0, 1, 2],
@@ -88,40 +101,42 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> list[dict]:
             batch = standard_test_batch(cfg, max_new_tokens=spec.steps, seed=3)
             pad = 16
         with torch.no_grad():
+            _progress(f"{label}: single-device reference")
             single = DSAModel(cfg, batch.num_slots, device=spec.device, seed=5)
             ref = generate(single, batch, spec.steps, pad_to=pad, device=spec.device)
             del single
             for merge in spec.merges:
                 if cfg.n_heads % world and merge != "ag":
                     continue
+                _progress(f"{label}: {merge} over {world} ranks")
                 torch._dynamo.reset()
                 model = DSAModel(cfg, batch.num_slots, dcp_size=world, device=spec.device, seed=5)
                 step = torch.compile(model, backend="dsa_dcp", fullgraph=True, dynamic=False,
                                      options={"dcp_size": world, "merge": merge, "cuda_graphs": False})
                 out = generate(step, batch, spec.steps, pad_to=pad, device=spec.device)
-                rows.append({
+                row = {
                     "model": label, "merge": merge, "N": world,
                     "tokens_match": out.tokens == ref.tokens,
                     "max_rel_logit_err": max(_relative_error(a, b) for a, b in zip(out.step_logits, ref.step_logits)),
                     "kv_rows_per_rank": model.kv_caches()[0].shape[0],
                     "kv_rows_expected": local_cache_rows(batch.num_slots, world),
-                })
+                }
                 if merge == "fused_a2a" and torch.device(spec.device).type == "cuda":
-                    rows[-1]["fused_kernel"] = fused_merge.has_workspace(dist.group.WORLD.group_name)
+                    row["fused_kernel"] = fused_merge.has_workspace(dist.group.WORLD.group_name)
+                yield row
                 del model, step
-    return rows
 
 
-def step_latency(rank: int, world: int, spec: RunSpec) -> list[dict]:
+def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     from dsa_dcp.models.runner import decode_step_inputs
     from dsa_dcp.models import DSAModel, get_config
 
     cfg = get_config("glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768)
-    rows = []
     for batch in spec.batches:
         inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, spec.device)
         for merge in ("single",) + spec.merges:
             n = 1 if merge == "single" else world
+            _progress(f"step latency: batch {batch}, {merge}")
             torch._dynamo.reset()
             model = DSAModel(cfg, num_slots, dcp_size=n, dtype=torch.bfloat16, device=spec.device, seed=0)
             with torch.no_grad():
@@ -131,18 +146,16 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> list[dict]:
                 step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
                 step(*inputs)
                 us = _median_call_us(lambda: step(*inputs))
-            rows.append({"batch": batch, "merge": "dcp1" if n == 1 else merge, "N": n, "layers": spec.layers,
-                         "step_us": us})
-    return rows
+            yield {"batch": batch, "merge": "dcp1" if n == 1 else merge, "N": n, "layers": spec.layers, "step_us": us}
 
 
-def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: int = 512) -> list[dict]:
+def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: int = 512) -> Iterator[dict]:
     from dsa_dcp.kernels import fused_merge
     from dsa_dcp.ops import _composed_a2a_merge
 
     group = dist.group.WORLD.group_name
-    rows = []
     for b in spec.batches:
+        _progress(f"merge per layer: batch {b}")
         out = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
         lse = torch.randn(b, heads, device="cuda")
         fused = lambda: torch.ops.dsa_dcp.fused_a2a_merge(out, lse, world, rank, group)  # noqa: E731
@@ -160,16 +173,15 @@ def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: in
                     fn()
             row[f"{name}_us"] = _median_call_us(graph.replay, calls_per_group=1) / _CALLS_PER_GROUP
         row["unfused_over_fused"] = row["unfused_us"] / row["fused_us"]
-        rows.append(row)
-    return rows
+        yield row
 
 
 PARTS = ("correctness", "latency", "merge")
 
 
 def run(rank: int, world: int, spec: RunSpec, parts: tuple[str, ...] = PARTS, report=None) -> dict:
-    """The parts asked for (the speed parts on CUDA only); ``report(name, rows)`` is called as each
-    part finishes, so a run cut short still leaves what it measured."""
+    """The parts asked for (the speed parts on CUDA only); ``report(name, rows)`` is called after
+    each row, so a run cut short still leaves what it measured."""
     results = {}
     on_cuda = torch.device(spec.device).type == "cuda"
     steps = [("correctness", check_correctness, "correctness" in parts),
@@ -177,9 +189,11 @@ def run(rank: int, world: int, spec: RunSpec, parts: tuple[str, ...] = PARTS, re
              ("merge_per_layer", merge_per_layer, on_cuda and "merge" in parts and "fused_a2a" in spec.merges)]
     for name, fn, wanted in steps:
         if wanted:
-            results[name] = fn(rank, world, spec)
-            if report is not None:
-                report(name, results[name])
+            results[name] = []
+            for row in fn(rank, world, spec):
+                results[name].append(row)
+                if report is not None:
+                    report(name, results[name])
     return results
 
 
@@ -201,12 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merges", nargs="+", default=list(RunSpec.merges))
     p.add_argument("--layers", type=int, default=RunSpec.layers)
     p.add_argument("--batches", type=int, nargs="+", default=list(RunSpec.batches))
+    p.add_argument("--steps", type=int, default=RunSpec.steps, help="tokens each request generates (correctness)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--json")
+    p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
     args = p.parse_args(argv)
-    rank, world = init_from_env("nccl" if args.device == "cuda" else "gloo")
+    faulthandler.register(signal.SIGTERM, chain=True)  # a run stopped from outside shows its stacks
+    # A collective that waits this long fails the run instead of hanging it.
+    rank, world = init_from_env("nccl" if args.device == "cuda" else "gloo", timeout=args.collective_timeout)
     spec = RunSpec(device=args.device, merges=tuple(args.merges), layers=args.layers, batches=tuple(args.batches),
-                   tiny_only=args.device == "cpu")
+                   steps=args.steps, tiny_only=args.device == "cpu")
     if args.device == "cuda":
         spec = dataclasses.replace(spec, device=f"cuda:{torch.cuda.current_device()}")
     written = {}
@@ -214,13 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     def report(name: str, rows: list[dict]) -> None:
         if rank != 0:
             return
-        print(f"\n{name} (N = {world})\n{_table(rows)}", flush=True)
+        print(f"{name}: {json.dumps(rows[-1])}", flush=True)
         written[name] = rows
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(written, f, indent=1)
 
     results = run(rank, world, spec, tuple(args.parts), report)
+    if rank == 0:
+        for name, rows in results.items():
+            print(f"\n{name} (N = {world})\n{_table(rows)}")
     ok = all(r["tokens_match"] and r["kv_rows_per_rank"] == r["kv_rows_expected"] and r.get("fused_kernel", True)
              for r in results.get("correctness", []))
     dist.destroy_process_group()
