@@ -53,14 +53,17 @@ def _check(res, outs, lses, rank, tol):
 def test_fused_merge_interpreted_all_ranks_in_one_process(n, b, h, d, programs, dtype):
     buffers = [MergeWorkspace.buffers(n, 8, h, d, dtype, "cpu") for _ in range(n)]
     workspaces = [MergeWorkspace.from_buffers(r, buffers) for r in range(n)]
-    for step in range(3):  # epochs advance; the two slots alternate
-        outs, lses = _inputs(100 * step + n, n, b, h, d, dtype)
+    batches = [b, 1, b, 2]  # epochs advance, the two slots alternate, the program count changes
+    for step, rows in enumerate(batches):
+        outs, lses = _inputs(100 * step + n, n, rows, h, d, dtype)
         for r in range(n):
             fused_a2a_merge_triton(outs[r], lses[r], workspaces[r], phase=1, max_programs=programs)
         for r in range(n):
             res = fused_a2a_merge_triton(outs[r], lses[r], workspaces[r], phase=2, max_programs=programs)
             _check(res, outs, lses, r, 1e-5 if dtype == torch.float32 else 2e-2)
-    assert all(ws.state.tolist() == [3, 0] for ws in workspaces)
+    sent = sum(min(rows, programs) for rows in batches)
+    assert all(ws.state.tolist() == [len(batches), 0, sent] for ws in workspaces)
+    assert all(ws.flags.tolist() == [sent] * n for ws in workspaces)
 
 
 @interpreted
@@ -70,13 +73,14 @@ def test_workspace_refuses_what_does_not_fit():
         fused_a2a_merge_triton(torch.zeros(5, 2, 8), torch.zeros(5, 2), ws)
 
 
-STEPS = 4
+def _step_batches(b):
+    return [b, 1, b, 3]  # the program count min(B, 64) changes from merge to merge
 
 
 def _ipc_rank(rank, ws, n, b, h, d, dtype):
     results = []
-    for step in range(STEPS):
-        outs, lses = _inputs(1000 * step + 7 * n + b, n, b, h, d, dtype, device="cuda")
+    for step, rows in enumerate(_step_batches(b)):
+        outs, lses = _inputs(1000 * step + 7 * n + b, n, rows, h, d, dtype, device="cuda")
         res = fused_a2a_merge_triton(outs[rank], lses[rank], ws)
         torch.cuda.synchronize()
         results.append((res[0].cpu(), res[1].cpu()))
@@ -91,8 +95,10 @@ def test_fused_merge_across_processes_on_one_gpu(n, b):
 
     h, d, dtype = 8 * n, 512, torch.bfloat16
     ranks = run_ipc_ranks(_ipc_rank, n, 64, h, d, dtype, n, b, h, d, dtype, timeout=60)
-    for step in range(STEPS):
-        outs, lses = _inputs(1000 * step + 7 * n + b, n, b, h, d, dtype)
+    batches = _step_batches(b)
+    for step, rows in enumerate(batches):
+        outs, lses = _inputs(1000 * step + 7 * n + b, n, rows, h, d, dtype)
         for rank, (results, state) in enumerate(ranks):
             _check(results[step], outs, lses, rank, 2e-2)
-    assert all(state.tolist() == [STEPS, 0] for _, state in ranks)
+    sent = sum(min(rows, 64) for rows in batches)
+    assert all(state.tolist() == [len(batches), 0, sent] for _, state in ranks)

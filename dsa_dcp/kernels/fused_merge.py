@@ -13,7 +13,8 @@ CUDA-graph capture, and whose buffers all ranks can address:
 - ``payload[2, N, B_max, G, D]`` (dtype of ``out``) and ``lse[2, N, B_max, G]`` (float32): slot
   ``e % 2`` of merge number ``e``, source rank, row, head;
 - ``flags[N]`` (int64): ``flags[src]`` counts the programs of ``src`` that finished writing here;
-- ``state[2]`` (int64, local only): ``[merges done, programs done in this merge]``;
+- ``state[3]`` (int64, local only): ``[merges done, programs done in this merge, flags received
+  from each source before this merge]``;
 - ``peers[3, N]`` (int64): each rank's ``payload``, ``lse`` and ``flags`` addresses as seen here.
 
 Program ``p`` of rank ``r`` (grid ``P = min(B, max_programs)``, identical on every rank):
@@ -21,11 +22,15 @@ Program ``p`` of rank ``r`` (grid ``P = min(B, max_programs)``, identical on eve
 1. reads ``e = state[0]``; for its rows ``b = p, p + P, ...`` and every destination ``j`` it writes
    head group ``j`` of ``out_r[b]``, ``lse_r[b]`` into rank ``j``'s slot ``e % 2`` at source ``r``;
 2. block barrier, then ``flags_j[r] += 1`` on every rank ``j`` (release, system scope);
-3. spins until ``flags[src] >= (e + 1) * P`` for every ``src`` (acquire, system scope);
+3. spins until ``flags[src] >= state[2] + P`` for every ``src`` (acquire, system scope);
 4. combines its rows of its own head group from the ``N`` sources and writes the result;
-5. the last program to finish sets ``state = [e + 1, 0]`` (every program read ``e`` before that).
+5. the last program to finish sets ``state = [e + 1, 0, state[2] + P]`` (every program read the
+   state before that).
 
-Epochs grow monotonically and are never reset, so the kernel replays inside a CUDA graph. Two
+``P`` may differ from one merge to the next (a step at another batch size): the count each
+source has sent so far is carried in ``state[2]``, not derived from ``e``. Every rank of one merge
+has the same ``B`` and so the same ``P``. Counts grow monotonically and are never reset, so the
+kernel replays inside a CUDA graph. Two
 slots suffice: a rank can write merge ``e + 2`` into a peer only after it received that peer's
 merge ``e + 1``, which the peer sends after it finished reading merge ``e``. All ``P`` programs of
 a rank must be resident at once (spinning programs wait for the others): ``max_programs`` stays
@@ -35,7 +40,8 @@ The table of peer addresses comes from torch symmetric memory on several GPUs
 (``MergeWorkspace.symmetric``), or from CUDA tensors shared between processes on one GPU
 (``MergeWorkspace.from_buffers``, the test harness). Under the Triton interpreter the kernel runs
 in two phases (``PHASE`` 1: steps 1-2, ``PHASE`` 2: steps 3-5) so one process can play all ranks
-without spinning.
+without spinning: there phase 2 finds every flag already raised, and a count short of its target
+(which on a GPU would spin forever) turns the result's LSE into NaN instead.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ def _fused_a2a_merge_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = tl.load(state_ptr)
+    received = tl.load(state_ptr + 2)
     slot = epoch % 2
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < D
@@ -100,11 +107,15 @@ def _fused_a2a_merge_kernel(
 
     if PHASE != 1:
         # 3. wait for every source's programs of this merge
-        target = (epoch + 1) * nprog
+        target = received + nprog
+        short = 0
         for src in range(N):
             seen = tl.atomic_add(my_flags_ptr + src, 0, sem="acquire", scope="sys")
-            while seen < target:
-                seen = tl.atomic_add(my_flags_ptr + src, 0, sem="acquire", scope="sys")
+            if PHASE == 2:  # interpreter: every send already happened; never spin
+                short += (seen < target).to(tl.int32)
+            else:
+                while seen < target:
+                    seen = tl.atomic_add(my_flags_ptr + src, 0, sem="acquire", scope="sys")
         tl.debug_barrier()
         # 4. combine my head group
         for b in range(pid, B, nprog):
@@ -131,10 +142,13 @@ def _fused_a2a_merge_kernel(
                 res = tl.where(nonempty, acc / tl.where(nonempty, total, 1.0), 0.0)
                 tl.store(res_ptr + (b * G + g) * D + offs, res.to(res_ptr.dtype.element_ty), mask=dmask)
                 res_lse = tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), -float("inf"))
+                if PHASE == 2:
+                    res_lse = tl.where(short == 0, res_lse, float("nan"))
                 tl.store(res_lse_ptr + b * G + g, res_lse)
         # 5. the last program to finish advances the epoch
         done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
         if done == nprog - 1:
+            tl.store(state_ptr + 2, target)
             tl.store(state_ptr + 1, 0)
             tl.store(state_ptr, epoch + 1)
 
@@ -151,7 +165,7 @@ class MergeWorkspace:
     payload: torch.Tensor  # [2, N, max_rows, G, D]
     lse: torch.Tensor  # [2, N, max_rows, G] float32
     flags: torch.Tensor  # [N] int64
-    state: torch.Tensor  # [2] int64
+    state: torch.Tensor  # [3] int64
     peers: torch.Tensor  # [3, N] int64
 
     @staticmethod
@@ -177,7 +191,7 @@ class MergeWorkspace:
         peers = torch.tensor(
             [[b[k].data_ptr() for b in all_buffers] for k in ("payload", "lse", "flags")], dtype=torch.int64
         ).to(device)
-        state = torch.zeros(2, dtype=torch.int64, device=device)
+        state = torch.zeros(3, dtype=torch.int64, device=device)
         return cls(n, rank, max_rows, g * n, d, mine["payload"], mine["lse"], mine["flags"], state, peers)
 
     @classmethod
@@ -189,7 +203,7 @@ class MergeWorkspace:
         mine = cls.buffers(dcp_size, max_rows, heads, head_dim, dtype, device, empty=symm_mem.empty)
         handles = {k: symm_mem.rendezvous(t, group_name) for k, t in mine.items()}
         peers = torch.tensor([handles[k].buffer_ptrs for k in ("payload", "lse", "flags")], dtype=torch.int64)
-        state = torch.zeros(2, dtype=torch.int64, device=device)
+        state = torch.zeros(3, dtype=torch.int64, device=device)
         return cls(dcp_size, rank, max_rows, heads, head_dim, mine["payload"], mine["lse"], mine["flags"], state,
                    peers.to(device))
 
