@@ -61,7 +61,7 @@ def test_fused_merge_interpreted_all_ranks_in_one_process(n, b, h, d, programs, 
         for r in range(n):
             res = fused_a2a_merge_triton(outs[r], lses[r], workspaces[r], phase=2, max_programs=programs)
             _check(res, outs, lses, r, 1e-5 if dtype == torch.float32 else 2e-2)
-    sent = sum(min(rows, programs) for rows in batches)
+    sent = sum(min(rows * (h // n), programs) for rows in batches)  # one program per (row, head) item
     assert all(ws.state.tolist() == [len(batches), 0, sent] for ws in workspaces)
     assert all(ws.flags.tolist() == [sent] * n for ws in workspaces)
 
@@ -74,7 +74,7 @@ def test_workspace_refuses_what_does_not_fit():
 
 
 def _step_batches(b):
-    return [b, 1, b, 3]  # the program count min(B, 64) changes from merge to merge
+    return [b, 1, b, 3]  # the program count min(B * G, 64) changes from merge to merge
 
 
 def _ipc_rank(rank, ws, n, b, h, d, dtype):
@@ -100,5 +100,5 @@ def test_fused_merge_across_processes_on_one_gpu(n, b):
         outs, lses = _inputs(1000 * step + 7 * n + b, n, rows, h, d, dtype)
         for rank, (results, state) in enumerate(ranks):
             _check(results[step], outs, lses, rank, 2e-2)
-    sent = sum(min(rows, 64) for rows in batches)
+    sent = sum(min(rows * (h // n), 64) for rows in batches)
     assert all(state.tolist() == [len(batches), 0, sent] for _, state in ranks)

@@ -17,13 +17,15 @@ CUDA-graph capture, and whose buffers all ranks can address:
   from each source before this merge]``;
 - ``peers[3, N]`` (int64): each rank's ``payload``, ``lse`` and ``flags`` addresses as seen here.
 
-Program ``p`` of rank ``r`` (grid ``P = min(B, max_programs)``, identical on every rank):
+The work is split into ``B * G`` items (row ``b``, head ``g`` of a group). Program ``p`` of rank
+``r`` (grid ``P = min(B * G, max_programs)``, identical on every rank):
 
-1. reads ``e = state[0]``; for its rows ``b = p, p + P, ...`` and every destination ``j`` it writes
-   head group ``j`` of ``out_r[b]``, ``lse_r[b]`` into rank ``j``'s slot ``e % 2`` at source ``r``;
+1. reads ``e = state[0]``; for its items ``p, p + P, ...`` and every destination ``j`` it writes
+   head ``j * G + g`` of ``out_r[b]``, ``lse_r[b]`` into rank ``j``'s slot ``e % 2`` at source ``r``
+   (the ``N`` destinations unrolled, so their loads are in flight together);
 2. block barrier, then ``flags_j[r] += 1`` on every rank ``j`` (release, system scope);
 3. spins until ``flags[src] >= state[2] + P`` for every ``src`` (acquire, system scope);
-4. combines its rows of its own head group from the ``N`` sources and writes the result;
+4. combines its items of its own head group from the ``N`` sources and writes the result;
 5. the last program to finish sets ``state = [e + 1, 0, state[2] + P]`` (every program read the
    state before that).
 
@@ -88,20 +90,21 @@ def _fused_a2a_merge_kernel(
     dmask = offs < D
 
     if PHASE != 2:
-        # 1. send head group j of my rows to rank j
-        for b in range(pid, B, nprog):
-            for j in range(N):
+        # 1. send: for my items (row b, head g of a group), head g of group j goes to rank j
+        for item in range(pid, B * G, nprog):
+            b = item // G
+            g = item % G
+            row = ((slot * N + RANK) * B_MAX + b) * G + g
+            for j in tl.static_range(N):
                 dst_payload = tl.load(peers_ptr + j).to(tl.pointer_type(out_ptr.dtype.element_ty))
                 dst_lse = tl.load(peers_ptr + N + j).to(tl.pointer_type(tl.float32))
-                for g in range(G):
-                    h = j * G + g
-                    vals = tl.load(out_ptr + (b * H + h) * D + offs, mask=dmask)
-                    row = ((slot * N + RANK) * B_MAX + b) * G + g
-                    tl.store(dst_payload + row * D + offs, vals, mask=dmask)
-                    tl.store(dst_lse + row, tl.load(lse_ptr + b * H + h))
+                h = j * G + g
+                vals = tl.load(out_ptr + (b * H + h) * D + offs, mask=dmask)
+                tl.store(dst_payload + row * D + offs, vals, mask=dmask)
+                tl.store(dst_lse + row, tl.load(lse_ptr + b * H + h))
         # 2. every thread's stores are done before the flag is raised
         tl.debug_barrier()
-        for j in range(N):
+        for j in tl.static_range(N):
             dst_flags = tl.load(peers_ptr + 2 * N + j).to(tl.pointer_type(tl.int64))
             tl.atomic_add(dst_flags + RANK, 1, sem="release", scope="sys")
 
@@ -109,7 +112,7 @@ def _fused_a2a_merge_kernel(
         # 3. wait for every source's programs of this merge
         target = received + nprog
         short = 0
-        for src in range(N):
+        for src in tl.static_range(N):
             seen = tl.atomic_add(my_flags_ptr + src, 0, sem="acquire", scope="sys")
             if PHASE == 2:  # interpreter: every send already happened; never spin
                 short += (seen < target).to(tl.int32)
@@ -117,34 +120,35 @@ def _fused_a2a_merge_kernel(
                 while seen < target:
                     seen = tl.atomic_add(my_flags_ptr + src, 0, sem="acquire", scope="sys")
         tl.debug_barrier()
-        # 4. combine my head group
-        for b in range(pid, B, nprog):
-            for g in range(G):
-                m = -float("inf")
-                for src in range(N):
-                    row = ((slot * N + src) * B_MAX + b) * G + g
-                    l_s = tl.load(my_lse_ptr + row, cache_modifier=".cg")
-                    finite = (l_s == l_s) & (l_s < float("inf")) & (l_s > -float("inf"))
-                    m = tl.maximum(m, tl.where(finite, l_s, -float("inf")))
-                m_safe = tl.where(m > -float("inf"), m, 0.0)
-                total = 0.0
-                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-                for src in range(N):
-                    row = ((slot * N + src) * B_MAX + b) * G + g
-                    l_s = tl.load(my_lse_ptr + row, cache_modifier=".cg")
-                    finite = (l_s == l_s) & (l_s < float("inf")) & (l_s > -float("inf"))
-                    w = tl.where(finite, tl.exp(tl.where(finite, l_s, 0.0) - m_safe), 0.0)
-                    vals = tl.load(my_payload_ptr + row * D + offs, mask=dmask, other=0.0,
-                                   cache_modifier=".cg").to(tl.float32)
-                    acc += tl.where(w > 0, w * vals, 0.0)
-                    total += w
-                nonempty = total > 0
-                res = tl.where(nonempty, acc / tl.where(nonempty, total, 1.0), 0.0)
-                tl.store(res_ptr + (b * G + g) * D + offs, res.to(res_ptr.dtype.element_ty), mask=dmask)
-                res_lse = tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), -float("inf"))
-                if PHASE == 2:
-                    res_lse = tl.where(short == 0, res_lse, float("nan"))
-                tl.store(res_lse_ptr + b * G + g, res_lse)
+        # 4. combine my items of my head group
+        for item in range(pid, B * G, nprog):
+            b = item // G
+            g = item % G
+            m = -float("inf")
+            for src in tl.static_range(N):
+                row = ((slot * N + src) * B_MAX + b) * G + g
+                l_s = tl.load(my_lse_ptr + row, cache_modifier=".cg")
+                finite = (l_s == l_s) & (l_s < float("inf")) & (l_s > -float("inf"))
+                m = tl.maximum(m, tl.where(finite, l_s, -float("inf")))
+            m_safe = tl.where(m > -float("inf"), m, 0.0)
+            total = 0.0
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for src in tl.static_range(N):
+                row = ((slot * N + src) * B_MAX + b) * G + g
+                l_s = tl.load(my_lse_ptr + row, cache_modifier=".cg")
+                finite = (l_s == l_s) & (l_s < float("inf")) & (l_s > -float("inf"))
+                w = tl.where(finite, tl.exp(tl.where(finite, l_s, 0.0) - m_safe), 0.0)
+                vals = tl.load(my_payload_ptr + row * D + offs, mask=dmask, other=0.0,
+                               cache_modifier=".cg").to(tl.float32)
+                acc += tl.where(w > 0, w * vals, 0.0)
+                total += w
+            nonempty = total > 0
+            res = tl.where(nonempty, acc / tl.where(nonempty, total, 1.0), 0.0)
+            tl.store(res_ptr + (b * G + g) * D + offs, res.to(res_ptr.dtype.element_ty), mask=dmask)
+            res_lse = tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), -float("inf"))
+            if PHASE == 2:
+                res_lse = tl.where(short == 0, res_lse, float("nan"))
+            tl.store(res_lse_ptr + b * G + g, res_lse)
         # 5. the last program to finish advances the epoch
         done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
         if done == nprog - 1:
@@ -228,7 +232,7 @@ def fused_a2a_merge_triton(out: torch.Tensor, lse: torch.Tensor, ws: MergeWorksp
     if b == 0:
         return res, res_lse
     check_launchable(_fused_a2a_merge_kernel, out, lse)
-    grid = (min(b, max_programs),)
+    grid = (min(b * g, max_programs),)  # one program per (row, head) item, up to max_programs
     _fused_a2a_merge_kernel[grid](
         out.contiguous(), lse.contiguous(), res, res_lse,
         ws.peers, ws.payload, ws.lse, ws.flags, ws.state,
