@@ -6,6 +6,7 @@ one GPU through CUDA IPC (``dsa_dcp.kernels.ipc_harness``).
 """
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -102,3 +103,46 @@ def test_fused_merge_across_processes_on_one_gpu(n, b):
             _check(results[step], outs, lses, rank, 2e-2)
     sent = sum(min(rows * (h // n), 64) for rows in batches)
     assert all(state.tolist() == [len(batches), 0, sent] for _, state in ranks)
+
+
+def test_a_group_keeps_every_workspace_and_picks_the_first_that_fits(monkeypatch):
+    """Symmetric memory needs one GPU per rank, so its allocation is replaced by plain CPU buffers;
+    what is checked is which workspace each call gets and that none is dropped (a CUDA graph
+    captured with an outgrown workspace still writes into it)."""
+    from dsa_dcp.kernels import fused_merge
+
+    made = []
+
+    def fake_symmetric(cls, group_name, dcp_size, rank, max_rows, heads, head_dim, dtype, device):
+        ws = cls.from_buffers(rank, [cls.buffers(dcp_size, max_rows, heads, head_dim, dtype, device)
+                                     for _ in range(dcp_size)])
+        made.append(ws)
+        return ws
+
+    monkeypatch.setattr(fused_merge, "_workspaces", {})
+    monkeypatch.setattr(MergeWorkspace, "symmetric", classmethod(fake_symmetric))
+    small = fused_merge.workspace_for("g", torch.zeros(1, 4, 8), 2, 0)
+    assert small.max_rows == 64 and fused_merge.has_workspace("g") and not fused_merge.has_workspace("other")
+    large = fused_merge.workspace_for("g", torch.zeros(100, 4, 8), 2, 0)
+    assert large.max_rows == 128 and large is not small
+    assert fused_merge.workspace_for("g", torch.zeros(3, 4, 8), 2, 0) is small
+    assert fused_merge.workspace_for("g", torch.zeros(65, 4, 8), 2, 0) is large
+    wider = fused_merge.workspace_for("g", torch.zeros(1, 6, 8), 2, 0)
+    assert wider.heads == 6 and fused_merge._workspaces["g"] == [small, large, wider] == made
+
+
+def test_a_group_without_symmetric_memory_falls_back_with_one_warning(monkeypatch):
+    from dsa_dcp.kernels import fused_merge
+
+    def refuse(cls, *args, **kwargs):
+        raise RuntimeError("no symmetric memory in this test")
+
+    monkeypatch.setattr(fused_merge, "_workspaces", {})
+    monkeypatch.setattr(fused_merge, "_workspace_failures", {})
+    monkeypatch.setattr(MergeWorkspace, "symmetric", classmethod(refuse))
+    with pytest.warns(RuntimeWarning, match="no symmetric memory in this test.*composed merge"):
+        assert fused_merge.workspace_for("g", torch.zeros(1, 4, 8), 2, 0) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fused_merge.workspace_for("g", torch.zeros(1, 4, 8), 2, 0) is None
+    assert not fused_merge.has_workspace("g")

@@ -243,21 +243,24 @@ def fused_a2a_merge_triton(out: torch.Tensor, lse: torch.Tensor, ws: MergeWorksp
 
 
 # Workspaces by process-group name: registered by a harness, or created in symmetric memory on the
-# first call (which happens in a warm-up run, before any CUDA-graph capture).
-_workspaces: dict[str, MergeWorkspace] = {}
+# first call that none fits (which happens in a warm-up run, before any CUDA-graph capture). A
+# group keeps every workspace it was given: a CUDA graph captured with one still writes into it,
+# and every rank picks the same one (the first that fits), since all ranks merge the same shapes.
+_workspaces: dict[str, list[MergeWorkspace]] = {}
 _workspace_failures: dict[str, str] = {}  # why a group has none (warned once)
 
 
 def register_workspace(group_name: str, ws: MergeWorkspace) -> None:
-    _workspaces[group_name] = ws
+    _workspaces.setdefault(group_name, []).append(ws)
 
 
 def workspace_for(group_name: str, out: torch.Tensor, dcp_size: int, rank: int) -> MergeWorkspace | None:
-    """The workspace of ``group_name`` that fits ``out``, creating one in symmetric memory if the
-    group supports it; ``None`` if there is none (the caller falls back to the composed merge)."""
-    ws = _workspaces.get(group_name)
-    if ws is not None and ws.fits(out):
-        return ws
+    """The first workspace of ``group_name`` that fits ``out``, creating one in symmetric memory if
+    none does and the group supports it; ``None`` if there is none (the caller falls back to the
+    composed merge)."""
+    for ws in _workspaces.get(group_name, ()):
+        if ws.fits(out):
+            return ws
     try:
         max_rows = max(64, next_pow2(out.shape[0]))
         ws = MergeWorkspace.symmetric(group_name, dcp_size, rank, max_rows, out.shape[1], out.shape[2],
@@ -269,18 +272,18 @@ def workspace_for(group_name: str, out: torch.Tensor, dcp_size: int, rank: int) 
                           f"({_workspace_failures[group_name]}); using the composed merge (pack, all-to-all, "
                           "combine) instead", RuntimeWarning, stacklevel=2)
         return None
-    _workspaces[group_name] = ws
+    register_workspace(group_name, ws)
     return ws
 
 
 def has_workspace(group_name: str) -> bool:
     """Whether the fused kernel (not the composed fallback) serves ``group_name``."""
-    return group_name in _workspaces
+    return bool(_workspaces.get(group_name))
 
 
 def unavailable_reason(group_name: str) -> str | None:
     """Why the fused merge cannot run on this CUDA group (``None`` when it can)."""
-    if group_name in _workspaces:
+    if _workspaces.get(group_name):
         return None
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
