@@ -43,9 +43,13 @@ class CompileReport:
     analysis: Any = None
 
     def kernels_per_step(self) -> dict | None:
-        """CUDA kernels replayed per step, per captured input shape (``None`` without CUDA graphs)."""
+        """CUDA kernels replayed per step, per captured input shape (``None`` without CUDA graphs,
+        and for a DCP group: counting runs the step once more, and its collectives would wait for
+        ranks that are not counting, or that count at another time)."""
         step = self.lowered
-        return step.kernels_per_step() if hasattr(step, "kernels_per_step") else None
+        if self.options.dcp_size > 1 or not hasattr(step, "kernels_per_step"):
+            return None
+        return step.kernels_per_step()
 
     def stats(self) -> dict[str, dict[str, Any]]:
         return {p.name: p.stats for p in self.passes}

@@ -23,7 +23,7 @@ from torch import nn
 import dsa_dcp
 from dsa_dcp import cli
 from dsa_dcp.inspect.memory import memory_plan
-from dsa_dcp.inspect.report import NO_KERNEL_COUNT, SCHEMA
+from dsa_dcp.inspect.report import NO_KERNEL_COUNT, NO_KERNEL_COUNT_DCP, SCHEMA, Inspection
 from dsa_dcp.inspect.targets import fake_group
 from dsa_dcp.kv_cache import allocate_kv_cache
 
@@ -381,3 +381,29 @@ def test_registry_falls_back_to_parameters_without_dynamos_frame(monkeypatch):
     assert dsa_dcp.inspect(compiled).summary()["sparse_attention_nodes"] == 3
     with pytest.raises(LookupError):
         dsa_dcp.inspect(make_toy()[0])  # another instance: nothing compiled
+
+
+class _CountingStep:
+    """Stands in for a CUDA-graph step (which needs a GPU): records whether it was asked to count."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def kernels_per_step(self):
+        self.asked += 1
+        return {("sig",): 123}
+
+
+@pytest.mark.parametrize("dcp_size, expected", [(1, {"('sig',)": 123}), (2, NO_KERNEL_COUNT_DCP)])
+def test_kernel_count_is_not_taken_for_a_dcp_group(dcp_size, expected):
+    """Counting runs the step once more on the rank that asks; in a DCP group its collectives
+    would wait for the ranks that do not, so the count is not taken there."""
+    from dsa_dcp.backend import CompileReport
+    from dsa_dcp.config import DCPOptions
+
+    step = _CountingStep()
+    report = CompileReport(DCPOptions(dcp_size=dcp_size), rank=0, graph_before="", passes=[], lowered=step)
+    inspection = Inspection(report, target={})
+    kernels = inspection.summary()["kernels_per_step"]
+    assert step.asked == (1 if dcp_size == 1 else 0)
+    assert kernels == expected

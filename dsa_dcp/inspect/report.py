@@ -24,6 +24,7 @@ from dsa_dcp.inspect.render import layout, to_svg, write_png
 
 SCHEMA = "dsa-dcp-inspect/1"
 NO_KERNEL_COUNT = "n/a (no CUDA graph lowering)"
+NO_KERNEL_COUNT_DCP = "n/a (counting runs a step, whose collectives need every rank of the group)"
 SHARE_PASS = "share_remaps"
 
 
@@ -130,6 +131,12 @@ class Inspection:
         value = counter() if callable(counter) else counter
         return _jsonable(value) if value else None
 
+    def _no_kernel_count(self) -> str:
+        lowered = getattr(self.report, "lowered", None)
+        if hasattr(lowered, "kernels_per_step") and self.report.options.dcp_size > 1:
+            return NO_KERNEL_COUNT_DCP
+        return NO_KERNEL_COUNT
+
     def summary(self) -> dict:
         r, a = self.report, self.analysis
         opts = r.options
@@ -165,7 +172,7 @@ class Inspection:
                 "by_op": by_op,
                 "shapes_known": a.shapes_known if a is not None else False,
             },
-            "kernels_per_step": kernels if kernels is not None else NO_KERNEL_COUNT,
+            "kernels_per_step": kernels if kernels is not None else self._no_kernel_count(),
             "kv_writes": r.summary.get("kv_writes", 0),
         }
 
