@@ -16,3 +16,14 @@ def test_run_script_correctness_part_on_cpu_ranks():
             assert r["tokens_match"], r
             assert r["max_rel_logit_err"] < 1e-5, r
             assert r["kv_rows_per_rank"] == r["kv_rows_expected"]
+
+
+def test_step_kernel_time_is_split_by_what_dcp_adds():
+    from dsa_dcp.bench.dcp_run import kernel_us_by_kind
+
+    kernels = [("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 30.0), ("_topk_remap_kernel", 6.0),
+               ("_lse_combine_kernel", 3.0), ("_sparse_mla_kernel", 60.0), ("_fused_a2a_merge_kernel", 9.0),
+               ("ampere_bf16_s16816gemm", 90.0), ("triton_poi_fused_add_0", 6.0)]
+    got = kernel_us_by_kind(kernels, runs=3)
+    assert got == {"nccl_us": 10.0, "fused_merge_us": 3.0, "remap_us": 2.0, "combine_us": 1.0, "attention_us": 20.0,
+                   "other_us": 32.0, "kernels_us": 68.0}

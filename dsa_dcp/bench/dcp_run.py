@@ -86,6 +86,23 @@ def _median_call_us(fn, groups: int = 7, calls_per_group: int = _CALLS_PER_GROUP
     return statistics.median(times)
 
 
+# Kernel names (substrings) by kind: the collectives and kernels DCP adds, and sparse attention
+# (smaller per rank under DCP); the rest (``other``) is the model's own work and DCP's torch ops.
+_KERNEL_KINDS = (("nccl", ("nccl",)), ("fused_merge", ("fused_a2a_merge",)), ("remap", ("topk_remap",)),
+                 ("combine", ("lse_combine",)), ("attention", ("sparse_mla",)))
+
+
+def kernel_us_by_kind(kernels: list[tuple[str, float]], runs: int) -> dict[str, float]:
+    """Device time per step (us) of ``kernels`` (``(name, us)`` over ``runs`` steps), summed by
+    kind (``_KERNEL_KINDS``, else ``other``), with the total."""
+    out = {f"{kind}_us": 0.0 for kind, _ in _KERNEL_KINDS} | {"other_us": 0.0}
+    for name, us in kernels:
+        kind = next((k for k, keys in _KERNEL_KINDS if any(key in name for key in keys)), "other")
+        out[f"{kind}_us"] += us / runs
+    out["kernels_us"] = sum(us for _, us in kernels) / runs
+    return out
+
+
 def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     from dsa_dcp.kernels import fused_merge
     from dsa_dcp.models import DSAModel, generate, get_config, make_requests, standard_test_batch
@@ -131,6 +148,8 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
 
 
 def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
+    from dsa_dcp.backend import last_report
+    from dsa_dcp.lowering.cuda_graphs import device_kernels
     from dsa_dcp.models.runner import decode_step_inputs
     from dsa_dcp.models import DSAModel, get_config
 
@@ -149,7 +168,15 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                 step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
                 step(*inputs)
                 us = _median_call_us(lambda: step(*inputs))
-            yield {"batch": batch, "merge": "dcp1" if n == 1 else merge, "N": n, "layers": spec.layers, "step_us": us}
+                row = {"batch": batch, "merge": "dcp1" if n == 1 else merge, "N": n, "layers": spec.layers,
+                       "step_us": us}
+                # where the time goes: the captured step's kernels, run eagerly under the profiler on
+                # its captured inputs, on every rank (its collectives need them all)
+                lowered = last_report().lowered
+                (captured,) = lowered.graphs.values()
+                dist.barrier()
+                row |= kernel_us_by_kind(device_kernels(lowered.fn, captured.inputs, runs=3), runs=3)
+            yield row
 
 
 def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: int = 512) -> Iterator[dict]:

@@ -45,15 +45,22 @@ class _Captured:
         self.kernels: int | None = None  # counted when first asked
 
 
-def count_kernels(fn: Callable, args: Sequence) -> int:
-    """CUDA kernels one eager run of ``fn(*args)`` launches (what its graph replays)."""
+def device_kernels(fn: Callable, args: Sequence, runs: int = 1) -> list[tuple[str, float]]:
+    """``(name, us)`` of every CUDA kernel that ``runs`` eager runs of ``fn(*args)`` launch (what
+    its graph replays; copies and memsets left out)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args)
+        for _ in range(runs):
+            fn(*args)
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset")))
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+
+
+def count_kernels(fn: Callable, args: Sequence) -> int:
+    """CUDA kernels one eager run of ``fn(*args)`` launches (what its graph replays)."""
+    return len(device_kernels(fn, args))
 
 
 class CudaGraphStep:
