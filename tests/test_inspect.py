@@ -127,6 +127,11 @@ def test_glm52_tiny_counts(tiny):
     assert s["collectives"]["per_step"] == 2 * GLM52_LAYERS
     assert set(s["collectives"]["by_op"]) == {"all_to_all_single", "all_reduce"}
     assert s["kernels_per_step"] == NO_KERNEL_COUNT
+    # all 78 layers write the step's tokens through one slots tensor: localized once, not per layer
+    localize = next(p for p in data["passes"] if p["name"] == "localize_kv_writes")
+    assert localize["stats"]["kv_writes_localized"] == GLM52_LAYERS
+    assert localize["stats"]["slot_localizations"] == 1
+    assert localize["graph_after"].count("localize_slots(") == 1
     assert len(data["dataflow"]["sources"]) == GLM52_INDEXERS
     assert [src["first_layer"] for src in data["dataflow"]["sources"]] == [0, 1, 2] + list(range(6, 78, 4))
 

@@ -2,7 +2,8 @@
 
 Expects: dynamo's graph of a model whose sparse attention nodes read KV caches that are graph
 inputs allocated by ``dsa_dcp.allocate_kv_cache`` for this DCP size.
-Leaves: every write into those caches is ``kv_store(cache, localize_slots(slots), rows)`` —
+Leaves: every write into those caches is ``kv_store(cache, localize_slots(slots), rows)``, with
+one ``localize_slots`` node per slots tensor shared by all the layers that write through it —
 ``kv_store`` nodes get localized slots, and plain ``index_put_`` / ``index_copy_`` / ``cache[s] = x``
 writes become ``kv_store`` (negative slots then mean "no slot"). Index-key caches, which no
 attention node reads, stay replicated and untouched. Refuses (``DCPRewriteError``) a cache of the
@@ -83,20 +84,22 @@ class LocalizeKVWrites(DCPPass):
             raise DCPRewriteError("\n".join(problems))
         n, rank, interleave = ctx.dcp_size, ctx.rank, ctx.options.interleave
         caches, _ = kv_caches_read_by_attention(gm)
-        localized = 0
         graph = gm.graph
-        for base in caches:
-            for user in list(base.users):
-                if _is_attention_read(user, base):
-                    continue
-                slots, rows = _write_slots_and_rows(user)
-                with graph.inserting_before(user):
-                    local = graph.call_function(localize_slots, (slots, n, rank, interleave))
-                    graph.call_function(KV_STORE, (base, local, rows))
-                user.replace_all_uses_with(base)  # in-place writes return their target
-                graph.erase_node(user)
-                localized += 1
-        return {"kv_caches": len(caches), "kv_writes_localized": localized}
+        position = {node: i for i, node in enumerate(graph.nodes)}
+        writes = sorted(((user, base) for base in caches for user in base.users
+                         if not _is_attention_read(user, base)), key=lambda w: position[w[0]])
+        # Every layer writes the step's tokens to the same slots: one localization per slots
+        # tensor, placed before its first write (graph order), serves all of them.
+        local_rows: dict[fx.Node, fx.Node] = {}
+        for user, base in writes:
+            slots, rows = _write_slots_and_rows(user)
+            with graph.inserting_before(user):
+                if slots not in local_rows:
+                    local_rows[slots] = graph.call_function(localize_slots, (slots, n, rank, interleave))
+                graph.call_function(KV_STORE, (base, local_rows[slots], rows))
+            user.replace_all_uses_with(base)  # in-place writes return their target
+            graph.erase_node(user)
+        return {"kv_caches": len(caches), "kv_writes_localized": len(writes), "slot_localizations": len(local_rows)}
 
 
 def _is_attention_read(user: fx.Node, base: fx.Node) -> bool:
