@@ -25,8 +25,9 @@ def pack_head_groups(out: Tensor, lse: Tensor, dcp_size: int) -> Tensor:
     b, h, d = out.shape
     g = h // dcp_size
     out_g = out.reshape(b, dcp_size, g, d).transpose(0, 1)
-    lse_g = lse.float().reshape(b, dcp_size, g, 1).transpose(0, 1).contiguous().view(out.dtype)
-    return torch.cat([out_g, lse_g], dim=-1).contiguous()
+    # bit-cast before the transpose (a view of the row-major LSE), so the cat is the one copy
+    lse_g = lse.float().reshape(b, dcp_size, g, 1).view(out.dtype).transpose(0, 1)
+    return torch.cat([out_g, lse_g], dim=-1)
 
 
 def unpack_head_groups(received: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:

@@ -160,3 +160,24 @@ def test_a_dcp_model_refuses_to_run_eagerly():
     rows = torch.zeros(4, dtype=torch.int64)
     with pytest.raises(RuntimeError, match=r"allocated for dcp_size=2; run it through torch.compile"):
         model(rows, rows, rows, rows - 1, batch.page_table)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_head_groups_pack_and_unpack_bit_for_bit(dtype, n):
+    """What a2a sends: slice j of the packed tensor is head group j of (out, lse), the LSE bit-cast
+    into trailing elements; unpacking gives both back unchanged, NaN and infinities included."""
+    from dsa_dcp.merge import pack_head_groups, unpack_head_groups
+
+    g = torch.Generator().manual_seed(n)
+    b, h, d = 3, 4 * n, 6
+    out = torch.randn(b, h, d, generator=g).to(dtype)
+    lse = torch.randn(b, h, generator=g) * 10
+    lse[0, 0], lse[1, -1], lse[2, 1] = float("-inf"), float("inf"), float("nan")
+    packed = pack_head_groups(out, lse, n)
+    assert packed.is_contiguous() and packed.shape[:3] == (n, b, h // n)
+    got_out, got_lse = unpack_head_groups(packed, d)
+    for j in range(n):
+        heads = slice(j * h // n, (j + 1) * h // n)
+        assert torch.equal(got_out[j], out[:, heads])
+        assert torch.equal(got_lse[j].view(torch.int32), lse[:, heads].contiguous().view(torch.int32))
