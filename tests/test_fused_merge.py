@@ -138,7 +138,7 @@ def test_a_group_without_symmetric_memory_falls_back_with_one_warning(monkeypatc
         raise RuntimeError("no symmetric memory in this test")
 
     monkeypatch.setattr(fused_merge, "_workspaces", {})
-    monkeypatch.setattr(fused_merge, "_workspace_failures", {})
+    monkeypatch.setattr(fused_merge, "_warned_groups", set())
     monkeypatch.setattr(MergeWorkspace, "symmetric", classmethod(refuse))
     with pytest.warns(RuntimeWarning, match="no symmetric memory in this test.*composed merge"):
         assert fused_merge.workspace_for("g", torch.zeros(1, 4, 8), 2, 0) is None

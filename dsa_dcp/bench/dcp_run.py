@@ -175,7 +175,8 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                 lowered = last_report().lowered
                 (captured,) = lowered.graphs.values()
                 dist.barrier()
-                row |= kernel_us_by_kind(device_kernels(lowered.fn, captured.inputs, runs=3), runs=3)
+                runs = 3
+                row |= kernel_us_by_kind(device_kernels(lowered.fn, captured.inputs, runs=runs), runs=runs)
             yield row
 
 

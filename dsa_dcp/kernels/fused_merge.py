@@ -247,7 +247,7 @@ def fused_a2a_merge_triton(out: torch.Tensor, lse: torch.Tensor, ws: MergeWorksp
 # group keeps every workspace it was given: a CUDA graph captured with one still writes into it,
 # and every rank picks the same one (the first that fits), since all ranks merge the same shapes.
 _workspaces: dict[str, list[MergeWorkspace]] = {}
-_workspace_failures: dict[str, str] = {}  # why a group has none (warned once)
+_warned_groups: set[str] = set()  # groups whose fallback to the composed merge was warned of
 
 
 def register_workspace(group_name: str, ws: MergeWorkspace) -> None:
@@ -266,10 +266,10 @@ def workspace_for(group_name: str, out: torch.Tensor, dcp_size: int, rank: int) 
         ws = MergeWorkspace.symmetric(group_name, dcp_size, rank, max_rows, out.shape[1], out.shape[2],
                                       out.dtype, out.device)
     except Exception as e:  # noqa: BLE001 - no symmetric memory here (one GPU per rank needed): fall back
-        if group_name not in _workspace_failures:
-            _workspace_failures[group_name] = f"{type(e).__name__}: {e}"
+        if group_name not in _warned_groups:
+            _warned_groups.add(group_name)
             warnings.warn(f"fused_a2a_merge: no symmetric-memory workspace for group {group_name!r} "
-                          f"({_workspace_failures[group_name]}); using the composed merge (pack, all-to-all, "
+                          f"({type(e).__name__}: {e}); using the composed merge (pack, all-to-all, "
                           "combine) instead", RuntimeWarning, stacklevel=2)
         return None
     register_workspace(group_name, ws)
@@ -283,7 +283,7 @@ def has_workspace(group_name: str) -> bool:
 
 def unavailable_reason(group_name: str) -> str | None:
     """Why the fused merge cannot run on this CUDA group (``None`` when it can)."""
-    if _workspaces.get(group_name):
+    if has_workspace(group_name):
         return None
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
