@@ -15,6 +15,28 @@ from dsa_dcp import inspect  # a callable package: dsa_dcp.inspect(compiled)
 
 __version__ = "0.1.0"
 
+
+def _register_backend_name() -> None:
+    """Make ``backend="dsa_dcp"`` work from a source tree on ``PYTHONPATH`` too.
+
+    An installed package is found through its ``torch_dynamo_backends`` entry point, which torch
+    loads itself (registering here as well would then be a duplicate); without one, the name is
+    registered when the package is imported.
+    """
+    from importlib.metadata import entry_points
+
+    from torch._dynamo import register_backend
+
+    if any(ep.name == "dsa_dcp" for ep in entry_points(group="torch_dynamo_backends")):
+        return
+    try:
+        register_backend(backend, name="dsa_dcp")
+    except AssertionError:  # registered already (a reload)
+        pass
+
+
+_register_backend_name()
+
 __all__ = [
     "DCPOptions",
     "OptionsError",

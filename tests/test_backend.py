@@ -2,6 +2,8 @@
 
 import dataclasses
 import importlib.metadata
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +19,35 @@ def test_backend_is_registered_as_entry_point():
     from torch._dynamo.backends.registry import lookup_backend
 
     assert lookup_backend("dsa_dcp") is dsa_dcp.backend
+
+
+_WITHOUT_ENTRY_POINT = """
+import importlib.metadata as md
+real = md.entry_points
+def entry_points(**kw):  # as in a source tree on PYTHONPATH: no entry point of ours
+    eps = real(**kw)
+    return [ep for ep in eps if ep.name != "dsa_dcp"] if "group" in kw else eps
+md.entry_points = entry_points
+import dsa_dcp
+from torch._dynamo.backends.registry import lookup_backend
+assert lookup_backend("dsa_dcp") is dsa_dcp.backend
+print("ok")
+"""
+
+_ENTRY_POINT_FIRST = """
+from torch._dynamo.backends.registry import lookup_backend
+fn = lookup_backend("dsa_dcp")  # loads the entry point, which imports the package
+import dsa_dcp
+assert fn is dsa_dcp.backend
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("script", [_WITHOUT_ENTRY_POINT, _ENTRY_POINT_FIRST], ids=["source-tree", "installed"])
+def test_backend_name_resolves_with_and_without_the_entry_point(script):
+    """Importing the package registers the name only where no entry point does (no duplicate)."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
