@@ -66,6 +66,12 @@ def last_report() -> CompileReport | None:
     return _last_report
 
 
+def forget_last_report() -> None:
+    """Drop the most recent report, and the lowered step (CUDA graphs included) it holds."""
+    global _last_report
+    _last_report = None
+
+
 def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
     """Resolve this rank and its group; the problems found (the group's size must be ``dcp_size``)."""
     if options.dcp_size == 1:

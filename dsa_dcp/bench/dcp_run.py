@@ -149,11 +149,12 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
 
 def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     from dsa_dcp.backend import last_report
-    from dsa_dcp.lowering.cuda_graphs import device_kernels
     from dsa_dcp.models.runner import decode_step_inputs
     from dsa_dcp.models import DSAModel, get_config
 
     cfg = get_config("glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768)
+    cpu_group = dist.new_group(backend="gloo")  # barriers that put no kernel in the profile
+    host_barrier = lambda: dist.barrier(group=cpu_group)  # noqa: E731
     for batch in spec.batches:
         inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, spec.device)
         for merge in ("single",) + spec.merges:
@@ -170,14 +171,47 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                 us = _median_call_us(lambda: step(*inputs))
                 row = {"batch": batch, "merge": "dcp1" if n == 1 else merge, "N": n, "layers": spec.layers,
                        "step_us": us}
-                # where the time goes: the captured step's kernels, run eagerly under the profiler on
-                # its captured inputs, on every rank (its collectives need them all)
-                lowered = last_report().lowered
-                (captured,) = lowered.graphs.values()
-                dist.barrier()
-                runs = 3
-                row |= kernel_us_by_kind(device_kernels(lowered.fn, captured.inputs, runs=runs), runs=runs)
+                row |= _kernel_split(last_report().lowered, host_barrier)
+            step = model = None
+            _release_compiled()
             yield row
+
+
+def _kernel_split(lowered, host_barrier, runs: int = 3) -> dict:
+    """Where a step's device time goes: its captured graph replayed ``runs`` times under the
+    profiler on every rank, each replay started together (a CPU barrier, which launches no
+    kernel), so a collective's time is its own and not a wait for a rank still starting.
+
+    Falls back to the step run eagerly on its captured inputs if the profiler sees no kernel
+    inside graph replays; there a collective's time also holds the wait for the other ranks'
+    host launches (``profiled`` says which).
+    """
+    from dsa_dcp.lowering.cuda_graphs import device_kernels
+
+    (captured,) = lowered.graphs.values()
+
+    def replay():
+        torch.cuda.synchronize()
+        host_barrier()
+        captured.graph.replay()
+
+    kernels, profiled = device_kernels(replay, (), runs=runs), "graph replay"
+    if not kernels:
+        host_barrier()
+        kernels, profiled = device_kernels(lowered.fn, captured.inputs, runs=runs), "eager"
+    return kernel_us_by_kind(kernels, runs=runs) | {"profiled": profiled}
+
+
+def _release_compiled() -> None:
+    """Drop every compiled step and its CUDA graphs (which hold the NCCL communicator's work)."""
+    import gc
+
+    from dsa_dcp.backend import forget_last_report
+
+    torch._dynamo.reset()
+    forget_last_report()
+    gc.collect()
+    torch.cuda.synchronize()
 
 
 def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: int = 512) -> Iterator[dict]:
@@ -275,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{name} (N = {world})\n{_table(rows)}")
     ok = all(r["tokens_match"] and r["kv_rows_per_rank"] == r["kv_rows_expected"] and r.get("fused_kernel", True)
              for r in results.get("correctness", []))
+    if args.device == "cuda":
+        _release_compiled()  # graphs holding collectives would keep the communicators busy
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
 
