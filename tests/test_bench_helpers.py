@@ -6,10 +6,11 @@ import math
 import pytest
 
 from dsa_dcp.bench.kernels import format_tables
-from dsa_dcp.bench.tune import TILE_CANDIDATES, _split_candidates
+from dsa_dcp.bench.tune import CANDIDATE_SETS, _split_candidates
+from dsa_dcp.kernels.dispatch import TILE_KEYS
 
 
-@pytest.mark.parametrize("b,h,k,tile", itertools.product((1, 8, 32, 128), (64, 128), (512, 2048), TILE_CANDIDATES))
+@pytest.mark.parametrize("b,h,k,tile", itertools.product((1, 8, 32, 128), (64, 128), (512, 2048), CANDIDATE_SETS["all"]))
 def test_split_candidates_fill_half_to_two_waves(b, h, k, tile):
     sms = 132
     programs = b * math.ceil(h / tile["block_h"])
@@ -35,3 +36,22 @@ def test_format_tables_marks_missing_values_and_capture_errors():
     assert cells[9] == "-", "a value that was not captured prints as -"
     assert "not captured: fa2_graph_us_error: RuntimeError: capture failed" in text
     assert "\ntopk_remap\n" in text and "| 1 | 2 | 2048 | 6.50 | - |" in text
+
+
+@pytest.mark.parametrize("tile", CANDIDATE_SETS["all"], ids=lambda t: "-".join(f"{v}" for v in t.values()))
+def test_every_tile_candidate_is_a_correct_launch(tile):
+    """What --tune may write into the table launches and matches the reference (interpreter, tiny)."""
+    import torch
+
+    from dsa_dcp.kernels.sparse_mla import sparse_mla_reference, sparse_mla_triton
+
+    assert set(tile) <= set(TILE_KEYS)
+    gen = torch.Generator().manual_seed(sum(map(int, tile.values())))
+    B, H, K, S, Dc, Dr = 2, 5, 40, 50, 16, 8
+    q_nope, q_pe = torch.randn(B, H, Dc, generator=gen), torch.randn(B, H, Dr, generator=gen)
+    kv = torch.randn(S, Dc + Dr, generator=gen)
+    topk = torch.randint(-1, S, (B, K), generator=gen)
+    ref = sparse_mla_reference(q_nope, q_pe, kv, topk, 0.5)
+    got = sparse_mla_triton(q_nope, q_pe, kv, topk, 0.5, **tile, num_splits=2)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)

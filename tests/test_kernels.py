@@ -259,10 +259,15 @@ MLA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: "B{}H{}K{}S{}Dc{}Dr{}bh{}bk{}sp{}".format(*c))
+# the key-major products (scores^T = K q^T, acc^T = V^T p^T) on the tensor-core cases
+MLA_KEY_MAJOR_CASES = [c + (True,) for c in MLA_CASES if c[6] is not None and min(c[6], c[7]) >= 16]
+
+
+@pytest.mark.parametrize("case", [c + (False,) for c in MLA_CASES] + MLA_KEY_MAJOR_CASES,
+                         ids=lambda c: "B{}H{}K{}S{}Dc{}Dr{}bh{}bk{}sp{}{}".format(*c[:9], "-keymajor" * c[9]))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_mla(case, dtype):
-    B, H, K, S, Dc, Dr, block_h, block_k, num_splits = case
+    B, H, K, S, Dc, Dr, block_h, block_k, num_splits, key_major = case
     q_nope, q_pe, kv, topk = _random_mla(_gen("mla", case, dtype), B, H, K, S, Dc, Dr, dtype)
     sm_scale = 0.5
     exp_out, exp_lse = _brute_mla(q_nope, q_pe, kv, topk, sm_scale)
@@ -273,7 +278,8 @@ def test_sparse_mla(case, dtype):
         assert_close(ref64_out, exp_out, 1e-6, "fp64 reference out")  # only the output rounding
     assert_close(ref64_lse, exp_lse, 1e-6, "fp64 reference lse")
     ref = sparse_mla_mod.sparse_mla_reference(*args, sm_scale)
-    tri = sparse_mla_mod.sparse_mla_triton(*args, sm_scale, block_h=block_h, block_k=block_k, num_splits=num_splits)
+    tri = sparse_mla_mod.sparse_mla_triton(*args, sm_scale, block_h=block_h, block_k=block_k, num_splits=num_splits,
+                                           key_major=key_major)
     for what, (o, lz) in (("reference", ref), ("triton", tri)):
         assert o.dtype == dtype and lz.dtype == torch.float32, what
         assert_close(o, exp_out, RTOL[dtype], f"{what} out")
@@ -309,8 +315,8 @@ def test_sparse_mla_strided_views():
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_h,block_k,num_splits", [(2, 4, 1), (16, 16, 2)])
-def test_sparse_mla_fp8_kv(q_dtype, block_h, block_k, num_splits):
+@pytest.mark.parametrize("block_h,block_k,num_splits,key_major", [(2, 4, 1, False), (16, 16, 2, False), (16, 16, 2, True)])
+def test_sparse_mla_fp8_kv(q_dtype, block_h, block_k, num_splits, key_major):
     """E4M3 KV with a per-tensor scale: the same as attending over the dequantized cache."""
     B, H, K, S, Dc, Dr = 3, 5, 40, 60, 16, 8
     gen = _gen("mla-fp8", q_dtype, block_h)
@@ -322,13 +328,19 @@ def test_sparse_mla_fp8_kv(q_dtype, block_h, block_k, num_splits):
     args = [t.to(DEVICE) for t in (q_nope, q_pe, kv8, topk)]
     ref = sparse_mla_mod.sparse_mla_reference(*args, 0.5, kv_scale)
     tri = sparse_mla_mod.sparse_mla_triton(
-        *args, 0.5, kv_scale, block_h=block_h, block_k=block_k, num_splits=num_splits
+        *args, 0.5, kv_scale, block_h=block_h, block_k=block_k, num_splits=num_splits, key_major=key_major
     )
     for what, (o, lz) in (("reference", ref), ("triton", tri)):
         assert o.dtype == q_dtype, what
         assert_close(o, exp_out, RTOL[q_dtype], f"{what} out")
         assert_close(lz, exp_lse, 1e-5, f"{what} lse")
         assert (o[0] == 0).all() and torch.isneginf(lz[0]).all(), f"{what}: a row with no slot"
+
+
+def test_sparse_mla_key_major_needs_the_tensor_core_path():
+    q_nope, q_pe, kv, topk = _random_mla(_gen("mla-km"), 2, 2, 4, 10, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="key_major needs the tensor-core path"):
+        sparse_mla_mod.sparse_mla_triton(q_nope, q_pe, kv, topk, 0.5, block_h=2, block_k=4, key_major=True)
 
 
 def test_sparse_mla_kv_scale_contract():

@@ -282,7 +282,8 @@ def main(args) -> int:
     if args.tune:
         from dsa_dcp.bench.tune import main as tune
 
-        return tune(kvs, args.write_table)
+        shapes = {name: tuple(v) for name in ("heads", "batches", "ks") if (v := getattr(args, name, None))}
+        return tune(kvs, args.write_table, shapes, getattr(args, "candidates", None) or "all")
     rows = []
     if "remap" in only:
         rows += bench_remap()

@@ -36,6 +36,17 @@ TILE_CANDIDATES = [
     dict(block_h=64, block_k=32, num_warps=8, num_stages=3),
     dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
 ]
+# The key-major products (scores^T = K q^T, acc^T = V^T p^T): the key tile and the latent are the
+# MMA's wide dimensions, so 64-head tiles no longer give the score product a 16- or 32-wide side.
+# acc^T is [512, block_h] fp32: 8 warps for 64 heads, 4 for 32 or fewer, to stay in registers.
+KEY_MAJOR_CANDIDATES = [
+    dict(block_h=64, block_k=64, num_warps=8, num_stages=2, key_major=True),
+    dict(block_h=64, block_k=32, num_warps=8, num_stages=3, key_major=True),
+    dict(block_h=32, block_k=64, num_warps=4, num_stages=3, key_major=True),
+    dict(block_h=32, block_k=64, num_warps=8, num_stages=2, key_major=True),
+    dict(block_h=16, block_k=64, num_warps=4, num_stages=2, key_major=True),
+]
+CANDIDATE_SETS = {"all": TILE_CANDIDATES + KEY_MAJOR_CANDIDATES, "key-major": KEY_MAJOR_CANDIDATES}
 
 
 def _split_candidates(b: int, h: int, k: int, block_h: int, block_k: int, sms: int) -> list[int]:
@@ -46,25 +57,44 @@ def _split_candidates(b: int, h: int, k: int, block_h: int, block_k: int, sms: i
     return sorted({1} | {min(most, s) for s in waves})
 
 
-def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kvs=("bf16", "fp8")) -> list[dict]:
-    """Per shape: the fastest Triton tiles in graph, then the fastest backend as the op (eager)."""
+def _candidates(b: int, h: int, k: int, kv: str, tile_set: list[dict], sms: int) -> list[tuple[str, dict]]:
+    """``(label, tiles)`` to time: the shipped table's choice for the shape (if any), then each
+    candidate of the set with each of its split counts."""
+    from dsa_dcp.kernels import dispatch
+
+    out = []
+    table = dispatch.load_table()
+    shipped = table and dispatch.lookup(table, torch.cuda.get_device_name(), h, b, k, kv)
+    if shipped and shipped.backend == "triton":
+        out.append(("shipped", dict(shipped.tiles)))
+    for tiles in tile_set:
+        for splits in _split_candidates(b, h, k, tiles["block_h"], tiles["block_k"], sms):
+            out.append(("candidate", dict(tiles, num_splits=splits)))
+    return out
+
+
+def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kvs=("bf16", "fp8"),
+                    candidates: str = "all") -> list[dict]:
+    """Per shape: the fastest Triton tiles in graph (among ``CANDIDATE_SETS[candidates]`` and the
+    shipped table's choice), then the fastest backend as the op (eager). Every timing is printed."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     have_fi = importlib.util.find_spec("flashinfer") is not None
     entries = []
     for case, ref in mla_cases(heads, batches, ks, kvs):
         kv, h, b, k = case.kv, case.h, case.b, case.k
-        best = None
-        for tiles in TILE_CANDIDATES:
-            for splits in _split_candidates(b, h, k, tiles["block_h"], tiles["block_k"], sms):
-                t = dict(tiles, num_splits=splits)
-                try:
-                    check_mla("triton", case.triton(**t)(), ref)
-                    us = in_graph_us([case.triton(v, **t) for v in range(case.views)], rep=10)
-                except Exception as e:  # a tile the compiler cannot fit (shared memory, registers)
-                    print(f"# skip {t}: {type(e).__name__}", file=sys.stderr)
-                    continue
-                if best is None or us < best[0]:
-                    best = (us, t)
+        best = shipped_us = None
+        for label, t in _candidates(b, h, k, kv, CANDIDATE_SETS[candidates], sms):
+            try:
+                check_mla("triton", case.triton(**t)(), ref)
+                us = in_graph_us([case.triton(v, **t) for v in range(case.views)], rep=10)
+            except Exception as e:  # a tile the compiler cannot fit (shared memory, registers)
+                print(f"# skip {t}: {type(e).__name__}", file=sys.stderr)
+                continue
+            print(f"#   {kv} H={h} B={b} K={k} {label} {t}: {us:.1f} us in graph", file=sys.stderr)
+            if label == "shipped":
+                shipped_us = us
+            if best is None or us < best[0]:
+                best = (us, t)
         tiles = best[1]
         times = {"triton": median_us(case.triton(**tiles), rep=20)}
         if have_fi and kv == "bf16":
@@ -75,13 +105,16 @@ def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kv
         backend = min(times, key=times.get)
         entries.append({"H": h, "B": b, "K": k, "kv": kv, "backend": backend, "tiles": tiles,
                         "us": {"triton_graph": best[0], **{f"{n}_op": v for n, v in times.items()}}})
+        if shipped_us is not None:
+            entries[-1]["us"]["shipped_triton_graph"] = shipped_us
         print(f"# tuned {time.strftime('%H:%M:%S')} {kv} H={h} B={b} K={k}: {tiles} {best[0]:.1f} us in graph; op: "
               + ", ".join(f"{n} {v:.1f}" for n, v in times.items()), file=sys.stderr)
     return entries
 
 
-def main(kvs: tuple[str, ...], write_table: str | None) -> int:
-    entries = tune_sparse_mla(kvs=kvs)
+def main(kvs: tuple[str, ...], write_table: str | None, shapes: dict | None = None, candidates: str = "all") -> int:
+    """``shapes``: ``heads``/``batches``/``ks`` to tune (default: the table's grid)."""
+    entries = tune_sparse_mla(kvs=kvs, candidates=candidates, **(shapes or {}))
     table = {"device": torch.cuda.get_device_name(), "versions": versions(),
              "command": "dsa-dcp " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "entries": entries}
     text = json.dumps(table, indent=1)

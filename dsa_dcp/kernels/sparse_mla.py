@@ -117,6 +117,16 @@ def sparse_mla_reference(
 
 
 @triton.jit
+def _mma(a, b, DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """A tensor-core product, fp32 accumulation: full fp32 products (not tf32) for fp32 operands
+    (DOT_IEEE), else operands in DOT_DTYPE."""
+    if DOT_IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_nope_ptr,
     q_pe_ptr,
@@ -148,6 +158,7 @@ def _sparse_mla_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    KEY_MAJOR: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -183,7 +194,15 @@ def _sparse_mla_kernel(
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
+    if KEY_MAJOR:
+        # keys as the rows of every product: scores^T = K q^T ([BLOCK_K, BLOCK_H]) and
+        # acc^T = V^T p^T ([BLOCK_DC, BLOCK_H]), so the MMA's wide dimension is the key tile or
+        # the latent, not a small head block
+        qn_t = tl.trans(qn)
+        qp_t = tl.trans(qp)
+        acc = tl.zeros([BLOCK_DC, BLOCK_H], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(topk_ptr + b * stride_topk + offs_k, mask=offs_k < k_end, other=-1).to(tl.int64)
@@ -197,39 +216,52 @@ def _sparse_mla_kernel(
         else:
             kc = kc.to(DOT_DTYPE)
             kr = kr.to(DOT_DTYPE)
-        if USE_DOT and DOT_IEEE:  # fp32 inputs: full fp32 products, not tf32
-            s = tl.dot(qn, tl.trans(kc), input_precision="ieee")
-            s += tl.dot(qp, tl.trans(kr), input_precision="ieee")
-        elif USE_DOT:
-            s = tl.dot(qn.to(DOT_DTYPE), tl.trans(kc.to(DOT_DTYPE)))
-            s += tl.dot(qp.to(DOT_DTYPE), tl.trans(kr.to(DOT_DTYPE)))
+        if KEY_MAJOR:  # (USE_DOT; the launcher sees to it)
+            s_t = _mma(kc, qn_t, DOT_DTYPE, DOT_IEEE) + _mma(kr, qp_t, DOT_DTYPE, DOT_IEEE)
+            s_t = tl.where(valid[:, None], s_t * score_scale, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p_t = tl.exp(s_t - m_safe[None, :])
+            l_i = l_i * alpha + tl.sum(p_t, axis=0)
+            acc = acc * alpha[None, :] + _mma(tl.trans(kc), p_t, DOT_DTYPE, DOT_IEEE)
+            m_i = m_new
         else:
-            s = tl.sum(qn[:, None, :] * kc[None, :, :], axis=2) + tl.sum(qp[:, None, :] * kr[None, :, :], axis=2)
-        s = tl.where(valid[None, :], s * score_scale, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no (-inf) - (-inf) before a valid key
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT and DOT_IEEE:
-            pv = tl.dot(p, kc, input_precision="ieee")
-        elif USE_DOT:
-            pv = tl.dot(p.to(DOT_DTYPE), kc.to(DOT_DTYPE))
-        else:
-            pv = tl.sum(p[:, :, None] * kc[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            if USE_DOT:
+                s = _mma(qn, tl.trans(kc), DOT_DTYPE, DOT_IEEE) + _mma(qp, tl.trans(kr), DOT_DTYPE, DOT_IEEE)
+            else:
+                s = tl.sum(qn[:, None, :] * kc[None, :, :], axis=2) + tl.sum(qp[:, None, :] * kr[None, :, :], axis=2)
+            s = tl.where(valid[None, :], s * score_scale, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no (-inf) - (-inf) before a valid key
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if USE_DOT:
+                pv = _mma(p, kc, DOT_DTYPE, DOT_IEEE)
+            else:
+                pv = tl.sum(p[:, :, None] * kc[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
 
     has = l_i > 0.0
     denom = tl.where(has, l_i, 1.0)
-    out = acc * (out_scale / denom)[:, None]  # acc is 0 for a row without keys
     # out is [splits, B, H, DC] and lse [splits, B, H]: the layout lse_combine merges
     out_row = (split.to(tl.int64) * B + b) * H + offs_h
-    tl.store(
-        out_ptr + out_row[:, None] * DC + offs_dc[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=in_h[:, None] & in_dc[None, :],
-    )
+    if KEY_MAJOR:
+        out = acc * (out_scale / denom)[None, :]
+        tl.store(
+            out_ptr + out_row[None, :] * DC + offs_dc[:, None],
+            out.to(out_ptr.dtype.element_ty),
+            mask=in_h[None, :] & in_dc[:, None],
+        )
+    else:
+        out = acc * (out_scale / denom)[:, None]  # acc is 0 for a row without keys
+        tl.store(
+            out_ptr + out_row[:, None] * DC + offs_dc[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=in_h[:, None] & in_dc[None, :],
+        )
     tl.store(lse_ptr + out_row, tl.where(has, m_i + tl.log(denom), -float("inf")), mask=in_h)
 
 
@@ -279,6 +311,7 @@ def sparse_mla_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_splits: int | None = None,
+    key_major: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton sparse MLA decode (see module docstring); grid (B, ceil(H / BLOCK_H), splits).
 
@@ -290,7 +323,9 @@ def sparse_mla_triton(
     splits; by default K is split only when ``B * ceil(H / block_h)`` programs would not fill the
     GPU. Any H, K, Dc, Dr (Dc and Dr are padded to powers of two). ``q_nope``/``q_pe``/``kv`` may
     be views with a unit last stride (the KV cache is never copied). FP8 KV (``kv_scale``) is
-    read as FP8 and widened in registers. No host sync.
+    read as FP8 and widened in registers. ``key_major`` computes the transposed products
+    (``scores^T = K q^T``, ``acc^T = V^T p^T``: the key tile and the latent are the MMA's wide
+    dimensions, the head block its narrow one); it needs the tensor-core path. No host sync.
     """
     _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv", kv)):
@@ -305,7 +340,7 @@ def sparse_mla_triton(
         return out, torch.full((B, H), float("-inf"), dtype=torch.float32, device=device)
     check_launchable(_sparse_mla_kernel, q_nope, q_pe, kv, topk)
     tiles = {}
-    if device.type == "cuda" and all(v is None for v in (block_h, block_k, num_warps, num_stages, num_splits)):
+    if device.type == "cuda" and all(v is None for v in (block_h, block_k, num_warps, num_stages, num_splits, key_major)):
         choice = dispatch.choose(H, B, K, kv.dtype, device)  # tiles measured for this shape, if any
         tiles = choice.tiles if choice is not None else {}
     tile_h, tile_k, warps = _default_tiles(B, H, device)
@@ -314,6 +349,7 @@ def sparse_mla_triton(
     warps = num_warps or tiles.get("num_warps") or warps
     num_stages = num_stages or tiles.get("num_stages")
     num_splits = num_splits or tiles.get("num_splits")
+    key_major = bool(tiles.get("key_major", False) if key_major is None else key_major)
     for name, v in (("block_h", bh), ("block_k", bk)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{_OP}: {name} must be a power of two, got {v}")
@@ -324,6 +360,8 @@ def sparse_mla_triton(
     split_len = cdiv(cdiv(K, splits), bk) * bk  # whole K tiles per split
     splits = cdiv(K, split_len)
     use_dot = bh >= 16 and bk >= 16
+    if key_major and not use_dot:
+        raise ValueError(f"{_OP}: key_major needs the tensor-core path (block_h and block_k >= 16), got {bh} x {bk}")
     # tl.dot wants every dim >= 16
     block_dc = max(next_pow2(Dc), 16 if use_dot else 1)
     block_dr = max(next_pow2(Dr), 16 if use_dot else 1)
@@ -356,7 +394,7 @@ def sparse_mla_triton(
         B, H, K, kv.shape[0], split_len, float(sm_scale) * scale / q_prescale, scale, q_prescale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), topk.stride(0),
         DC=Dc, DR=Dr, BLOCK_H=bh, BLOCK_K=bk, BLOCK_DC=block_dc, BLOCK_DR=block_dr,
-        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32), UPCAST=interpreted or not use_dot,
+        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32), UPCAST=interpreted or not use_dot, KEY_MAJOR=key_major,
         num_warps=warps, num_stages=num_stages or 3,
     )  # fmt: skip
     if splits == 1:
