@@ -9,7 +9,8 @@ rank:
    the DCP program; tokens must be identical and logits close; each rank's KV cache must hold
    ``ceil(S/N)`` rows;
 2. **step latency** — a decode step with CUDA graphs at each batch size, for each merge mode and
-   for DCP size 1 (this GPU alone);
+   for DCP size 1 (this GPU alone), and its device time by kind of kernel (from graph replays
+   under the profiler, every rank's replay started together);
 3. **merge per layer** — ``fused_a2a_merge`` (one kernel, symmetric memory) against pack +
    all_to_all + combine over NCCL, replayed from CUDA graphs.
 
