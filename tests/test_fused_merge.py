@@ -134,11 +134,14 @@ def test_a_group_keeps_every_workspace_and_picks_the_first_that_fits(monkeypatch
 def test_a_group_without_symmetric_memory_falls_back_with_one_warning(monkeypatch):
     from dsa_dcp.kernels import fused_merge
 
+    asked = []
+
     def refuse(cls, *args, **kwargs):
+        asked.append(args[0])
         raise RuntimeError("no symmetric memory in this test")
 
     monkeypatch.setattr(fused_merge, "_workspaces", {})
-    monkeypatch.setattr(fused_merge, "_warned_groups", set())
+    monkeypatch.setattr(fused_merge, "_no_symmetric_memory", set())
     monkeypatch.setattr(MergeWorkspace, "symmetric", classmethod(refuse))
     with pytest.warns(RuntimeWarning, match="no symmetric memory in this test.*composed merge"):
         assert fused_merge.workspace_for("g", torch.zeros(1, 4, 8), 2, 0) is None
@@ -146,3 +149,4 @@ def test_a_group_without_symmetric_memory_falls_back_with_one_warning(monkeypatc
         warnings.simplefilter("error")
         assert fused_merge.workspace_for("g", torch.zeros(1, 4, 8), 2, 0) is None
     assert not fused_merge.has_workspace("g")
+    assert asked == ["g"], "a group that failed is not asked for symmetric memory again on every merge"

@@ -157,12 +157,12 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     cfg = get_config("glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768)
     cpu_group = dist.new_group(backend="gloo")  # barriers that put no kernel in the profile
     host_barrier = lambda: dist.barrier(group=cpu_group)  # noqa: E731
+    _release_compiled()  # what an earlier part compiled
     for batch in spec.batches:
         inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, spec.device)
         for merge in ("single",) + spec.merges:
             n = 1 if merge == "single" else world
             _progress(f"step latency: batch {batch}, {merge}")
-            torch._dynamo.reset()
             model = DSAModel(cfg, num_slots, dcp_size=n, dtype=torch.bfloat16, device=spec.device, seed=0)
             with torch.no_grad():
                 for cache in model.kv_caches() + list(model.index_caches().values()):

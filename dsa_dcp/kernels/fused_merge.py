@@ -247,7 +247,7 @@ def fused_a2a_merge_triton(out: torch.Tensor, lse: torch.Tensor, ws: MergeWorksp
 # group keeps every workspace it was given: a CUDA graph captured with one still writes into it,
 # and every rank picks the same one (the first that fits), since all ranks merge the same shapes.
 _workspaces: dict[str, list[MergeWorkspace]] = {}
-_warned_groups: set[str] = set()  # groups whose fallback to the composed merge was warned of
+_no_symmetric_memory: set[str] = set()  # groups that failed to get one: not asked again, warned once
 
 
 def register_workspace(group_name: str, ws: MergeWorkspace) -> None:
@@ -261,16 +261,17 @@ def workspace_for(group_name: str, out: torch.Tensor, dcp_size: int, rank: int) 
     for ws in _workspaces.get(group_name, ()):
         if ws.fits(out):
             return ws
+    if group_name in _no_symmetric_memory:  # every call would fail the same way again
+        return None
     try:
         max_rows = max(64, next_pow2(out.shape[0]))
         ws = MergeWorkspace.symmetric(group_name, dcp_size, rank, max_rows, out.shape[1], out.shape[2],
                                       out.dtype, out.device)
     except Exception as e:  # noqa: BLE001 - no symmetric memory here (one GPU per rank needed): fall back
-        if group_name not in _warned_groups:
-            _warned_groups.add(group_name)
-            warnings.warn(f"fused_a2a_merge: no symmetric-memory workspace for group {group_name!r} "
-                          f"({type(e).__name__}: {e}); using the composed merge (pack, all-to-all, "
-                          "combine) instead", RuntimeWarning, stacklevel=2)
+        _no_symmetric_memory.add(group_name)
+        warnings.warn(f"fused_a2a_merge: no symmetric-memory workspace for group {group_name!r} "
+                      f"({type(e).__name__}: {e}); using the composed merge (pack, all-to-all, "
+                      "combine) instead", RuntimeWarning, stacklevel=2)
         return None
     register_workspace(group_name, ws)
     return ws
