@@ -85,7 +85,23 @@ def _rank_main(fn, rank, world_size, port, args, conn, collective_timeout, befor
     finally:
         conn.close()
         if dist.is_initialized():
+            _leave_store_last(rank, world_size, collective_timeout)
             dist.destroy_process_group()
+
+
+def _leave_store_last(rank: int, world_size: int, timeout_s: float) -> None:
+    """Rank 0's process serves the group's store, which a rank still compiling reads (the backend's
+    host check): rank 0 waits, up to ``timeout_s``, until every rank has said it is leaving."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        store = _get_default_store()
+        store.set(f"dsa_dcp/leaving/{rank}", "1")
+        if rank == 0:
+            keys = [f"dsa_dcp/leaving/{r}" for r in range(world_size)]
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - a rank that died never says so; leave anyway
+        pass
 
 
 def _exit_reason(code: int | None) -> str:
