@@ -93,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     kernels.add_argument("--tune", action="store_true",
                          help="time sparse_mla tile candidates and backends per shape; print the dispatch table")
     kernels.add_argument("--write-table", metavar="PATH", help="with --tune: write the dispatch table here")
+    kernels.add_argument("--update-table", metavar="PATH",
+                         help="with --tune: replace the tuned shapes' entries in the table at PATH, keep the rest")
     kernels.add_argument("--heads", type=int, nargs="+", help="with --tune: head counts (default 64 128)")
     kernels.add_argument("--batches", type=int, nargs="+", help="with --tune: batch sizes (default 1 8 32 128)")
     kernels.add_argument("--ks", type=int, nargs="+", help="with --tune: top-k lengths (default 512 2048)")
-    kernels.add_argument("--candidates", choices=["all", "key-major"],
+    kernels.add_argument("--candidates", choices=["all", "key-major", "dc-split"],
                          help="with --tune: the tile set timed beside the shipped choice (default all)")
     kernels.set_defaults(func=_bench_kernels)
     insp = sub.add_parser("inspect", help="show what the compiler does to a model: passes, collectives, memory, dataflow",

@@ -47,7 +47,7 @@ def test_every_tile_candidate_is_a_correct_launch(tile):
 
     assert set(tile) <= set(TILE_KEYS)
     gen = torch.Generator().manual_seed(sum(map(int, tile.values())))
-    B, H, K, S, Dc, Dr = 2, 5, 40, 50, 16, 8
+    B, H, K, S, Dc, Dr = 2, 5, 40, 50, 32, 8  # Dc = 32: with dc_split=2 each program owns 16 columns
     q_nope, q_pe = torch.randn(B, H, Dc, generator=gen), torch.randn(B, H, Dr, generator=gen)
     kv = torch.randn(S, Dc + Dr, generator=gen)
     topk = torch.randint(-1, S, (B, K), generator=gen)
@@ -55,3 +55,18 @@ def test_every_tile_candidate_is_a_correct_launch(tile):
     got = sparse_mla_triton(q_nope, q_pe, kv, topk, 0.5, **tile, num_splits=2)
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
+
+
+def test_merge_entries_replaces_the_tuned_shapes_and_keeps_the_rest():
+    from dsa_dcp.bench.tune import merge_entries
+
+    def entry(kv, h, b, k, block_h):
+        return {"H": h, "B": b, "K": k, "kv": kv, "backend": "triton", "tiles": {"block_h": block_h}}
+
+    table = {"device": "D", "command": "first", "entries": [entry("bf16", 64, 1, 512, 16), entry("fp8", 128, 8, 2048, 32)]}
+    merged = merge_entries(table, [entry("fp8", 128, 8, 2048, 64), entry("bf16", 128, 1, 512, 16)], "second")
+    got = {(e["kv"], e["H"], e["B"], e["K"]): e["tiles"]["block_h"] for e in merged["entries"]}
+    assert got == {("bf16", 64, 1, 512): 16, ("fp8", 128, 8, 2048): 64, ("bf16", 128, 1, 512): 16}
+    assert merged["command"].startswith("first; then second") and table["command"] == "first"
+    with pytest.raises(ValueError, match="needs 'device'"):
+        merge_entries({"entries": []}, [], "x")

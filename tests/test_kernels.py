@@ -259,15 +259,22 @@ MLA_CASES = [
 ]
 
 
-# the key-major products (scores^T = K q^T, acc^T = V^T p^T) on the tensor-core cases
-MLA_KEY_MAJOR_CASES = [c + (True,) for c in MLA_CASES if c[6] is not None and min(c[6], c[7]) >= 16]
+# the key-major products (scores^T = K q^T, acc^T = V^T p^T) on the tensor-core cases, and two
+# programs a head block each owning half of the latent (dc_split=2) on every case
+MLA_VARIANT_CASES = (
+    [c + (False, 1) for c in MLA_CASES]
+    + [c + (True, 1) for c in MLA_CASES if c[6] is not None and min(c[6], c[7]) >= 16]
+    + [c + (False, 2) for c in MLA_CASES]
+    + [(3, 5, 40, 33, 64, 8, 16, 16, 3, False, 2)]  # each half 32 wide: both programs store
+)
 
 
-@pytest.mark.parametrize("case", [c + (False,) for c in MLA_CASES] + MLA_KEY_MAJOR_CASES,
-                         ids=lambda c: "B{}H{}K{}S{}Dc{}Dr{}bh{}bk{}sp{}{}".format(*c[:9], "-keymajor" * c[9]))
+@pytest.mark.parametrize("case", MLA_VARIANT_CASES,
+                         ids=lambda c: "B{}H{}K{}S{}Dc{}Dr{}bh{}bk{}sp{}{}{}".format(
+                             *c[:9], "-keymajor" * c[9], "-dcsplit" * (c[10] == 2)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_mla(case, dtype):
-    B, H, K, S, Dc, Dr, block_h, block_k, num_splits, key_major = case
+    B, H, K, S, Dc, Dr, block_h, block_k, num_splits, key_major, dc_split = case
     q_nope, q_pe, kv, topk = _random_mla(_gen("mla", case, dtype), B, H, K, S, Dc, Dr, dtype)
     sm_scale = 0.5
     exp_out, exp_lse = _brute_mla(q_nope, q_pe, kv, topk, sm_scale)
@@ -279,7 +286,7 @@ def test_sparse_mla(case, dtype):
     assert_close(ref64_lse, exp_lse, 1e-6, "fp64 reference lse")
     ref = sparse_mla_mod.sparse_mla_reference(*args, sm_scale)
     tri = sparse_mla_mod.sparse_mla_triton(*args, sm_scale, block_h=block_h, block_k=block_k, num_splits=num_splits,
-                                           key_major=key_major)
+                                           key_major=key_major, dc_split=dc_split)
     for what, (o, lz) in (("reference", ref), ("triton", tri)):
         assert o.dtype == dtype and lz.dtype == torch.float32, what
         assert_close(o, exp_out, RTOL[dtype], f"{what} out")
@@ -315,10 +322,11 @@ def test_sparse_mla_strided_views():
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_h,block_k,num_splits,key_major", [(2, 4, 1, False), (16, 16, 2, False), (16, 16, 2, True)])
-def test_sparse_mla_fp8_kv(q_dtype, block_h, block_k, num_splits, key_major):
+@pytest.mark.parametrize("block_h,block_k,num_splits,key_major,dc_split",
+                         [(2, 4, 1, False, 1), (16, 16, 2, False, 1), (16, 16, 2, True, 1), (16, 16, 2, False, 2)])
+def test_sparse_mla_fp8_kv(q_dtype, block_h, block_k, num_splits, key_major, dc_split):
     """E4M3 KV with a per-tensor scale: the same as attending over the dequantized cache."""
-    B, H, K, S, Dc, Dr = 3, 5, 40, 60, 16, 8
+    B, H, K, S, Dc, Dr = 3, 5, 40, 60, 32, 8
     gen = _gen("mla-fp8", q_dtype, block_h)
     q_nope, q_pe, kv_real, topk = _random_mla(gen, B, H, K, S, Dc, Dr, torch.float32)
     q_nope, q_pe = q_nope.to(q_dtype), q_pe.to(q_dtype)
@@ -328,7 +336,8 @@ def test_sparse_mla_fp8_kv(q_dtype, block_h, block_k, num_splits, key_major):
     args = [t.to(DEVICE) for t in (q_nope, q_pe, kv8, topk)]
     ref = sparse_mla_mod.sparse_mla_reference(*args, 0.5, kv_scale)
     tri = sparse_mla_mod.sparse_mla_triton(
-        *args, 0.5, kv_scale, block_h=block_h, block_k=block_k, num_splits=num_splits, key_major=key_major
+        *args, 0.5, kv_scale, block_h=block_h, block_k=block_k, num_splits=num_splits, key_major=key_major,
+        dc_split=dc_split,
     )
     for what, (o, lz) in (("reference", ref), ("triton", tri)):
         assert o.dtype == q_dtype, what
@@ -341,6 +350,15 @@ def test_sparse_mla_key_major_needs_the_tensor_core_path():
     q_nope, q_pe, kv, topk = _random_mla(_gen("mla-km"), 2, 2, 4, 10, 16, 8, torch.float32)
     with pytest.raises(ValueError, match="key_major needs the tensor-core path"):
         sparse_mla_mod.sparse_mla_triton(q_nope, q_pe, kv, topk, 0.5, block_h=2, block_k=4, key_major=True)
+
+
+def test_sparse_mla_dc_split_contract():
+    q_nope, q_pe, kv, topk = _random_mla(_gen("mla-dcs"), 2, 2, 4, 10, 32, 8, torch.float32)
+    with pytest.raises(ValueError, match="dc_split must be 1 or 2"):
+        sparse_mla_mod.sparse_mla_triton(q_nope, q_pe, kv, topk, 0.5, dc_split=4)
+    with pytest.raises(ValueError, match="dc_split=2 is for the head-major products"):
+        sparse_mla_mod.sparse_mla_triton(q_nope, q_pe, kv, topk, 0.5, block_h=16, block_k=16, key_major=True,
+                                         dc_split=2)
 
 
 def test_sparse_mla_kv_scale_contract():

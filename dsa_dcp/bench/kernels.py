@@ -283,17 +283,16 @@ def main(args) -> int:
         from dsa_dcp.bench.tune import main as tune
 
         shapes = {name: tuple(v) for name in ("heads", "batches", "ks") if (v := getattr(args, name, None))}
-        return tune(kvs, args.write_table, shapes, getattr(args, "candidates", None) or "all")
+        return tune(kvs, args.write_table, shapes, getattr(args, "candidates", None) or "all",
+                    getattr(args, "update_table", None))
     rows = []
-    if "remap" in only:
-        rows += bench_remap()
-    if "combine" in only:
-        rows += bench_combine()
-    if "mla" in only:
-        rows += bench_sparse_mla(kvs=kvs)
+    parts = {"remap": bench_remap, "combine": bench_combine, "mla": lambda: bench_sparse_mla(kvs=kvs)}
+    for name, part in parts.items():
+        if name in only:
+            rows += part()
+            if args.json:  # after each kernel, so a run stopped by a time limit keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
     print(f"device {torch.cuda.get_device_name()}, {versions()}")
     print(format_tables(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return 0

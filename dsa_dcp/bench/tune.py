@@ -46,7 +46,22 @@ KEY_MAJOR_CANDIDATES = [
     dict(block_h=32, block_k=64, num_warps=8, num_stages=2, key_major=True),
     dict(block_h=16, block_k=64, num_warps=4, num_stages=2, key_major=True),
 ]
-CANDIDATE_SETS = {"all": TILE_CANDIDATES + KEY_MAJOR_CANDIDATES, "key-major": KEY_MAJOR_CANDIDATES}
+# Two programs a head block, each owning half of the latent's output columns (dc_split=2): a
+# [block_h, 256] fp32 accumulator, so 64 heads fit one warp group (4 warps) and 128 heads two,
+# each warp group then holding whole rows of the score tile; the score product is done twice.
+DC_SPLIT_CANDIDATES = [
+    dict(block_h=64, block_k=64, num_warps=4, num_stages=2, dc_split=2),
+    dict(block_h=64, block_k=32, num_warps=4, num_stages=3, dc_split=2),
+    dict(block_h=64, block_k=64, num_warps=8, num_stages=2, dc_split=2),
+    dict(block_h=128, block_k=32, num_warps=8, num_stages=2, dc_split=2),
+    dict(block_h=128, block_k=64, num_warps=8, num_stages=2, dc_split=2),
+    dict(block_h=32, block_k=64, num_warps=4, num_stages=3, dc_split=2),
+]
+CANDIDATE_SETS = {
+    "all": TILE_CANDIDATES + KEY_MAJOR_CANDIDATES + DC_SPLIT_CANDIDATES,
+    "key-major": KEY_MAJOR_CANDIDATES,
+    "dc-split": DC_SPLIT_CANDIDATES,
+}
 
 
 def _split_candidates(b: int, h: int, k: int, block_h: int, block_k: int, sms: int) -> list[int]:
@@ -68,6 +83,8 @@ def _candidates(b: int, h: int, k: int, kv: str, tile_set: list[dict], sms: int)
     if shipped and shipped.backend == "triton":
         out.append(("shipped", dict(shipped.tiles)))
     for tiles in tile_set:
+        if tiles["block_h"] > h:  # a head block larger than the heads: mostly masked lanes
+            continue
         for splits in _split_candidates(b, h, k, tiles["block_h"], tiles["block_k"], sms):
             out.append(("candidate", dict(tiles, num_splits=splits)))
     return out
@@ -114,14 +131,35 @@ def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kv
     return entries
 
 
-def main(kvs: tuple[str, ...], write_table: str | None, shapes: dict | None = None, candidates: str = "all") -> int:
-    """``shapes``: ``heads``/``batches``/``ks`` to tune (default: the table's grid)."""
+def merge_entries(table: dict, entries: list[dict], command: str) -> dict:
+    """``table`` with ``entries`` in place of its entries for the same (H, B, K, kv); the rest kept."""
+    from dsa_dcp.kernels import dispatch
+
+    dispatch.validate_table(table, "the table to update")
+    key = lambda e: (e["kv"], e["H"], e["B"], e["K"])  # noqa: E731
+    tuned = {key(e) for e in entries}
+    kept = [e for e in table["entries"] if key(e) not in tuned]
+    return dict(table, command=f"{table.get('command', '')}; then {command}, for {len(entries)} shape(s)",
+                entries=sorted(kept + entries, key=key))
+
+
+def main(kvs: tuple[str, ...], write_table: str | None, shapes: dict | None = None, candidates: str = "all",
+         update_table: str | None = None) -> int:
+    """``shapes``: ``heads``/``batches``/``ks`` to tune (default: the table's grid). ``update_table``:
+    a table file whose entries for the tuned shapes are replaced (the rest kept)."""
     entries = tune_sparse_mla(kvs=kvs, candidates=candidates, **(shapes or {}))
-    table = {"device": torch.cuda.get_device_name(), "versions": versions(),
-             "command": "dsa-dcp " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "entries": entries}
+    command = "dsa-dcp " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    table = {"device": torch.cuda.get_device_name(), "versions": versions(), "command": command, "entries": entries}
     text = json.dumps(table, indent=1)
     print(text)
     if write_table:
         with open(write_table, "w") as f:
             f.write(text + "\n")
+    if update_table:
+        with open(update_table) as f:
+            old = json.load(f)
+        if old.get("device") != table["device"]:
+            raise ValueError(f"{update_table} was measured on {old.get('device')!r}, not {table['device']!r}")
+        with open(update_table, "w") as f:
+            f.write(json.dumps(merge_entries(old, entries, command), indent=1) + "\n")
     return 0

@@ -30,7 +30,7 @@ import torch
 TABLE_PATH = Path(__file__).with_name("sparse_mla_table.json")
 ENV = "DSA_DCP_SPARSE_MLA_TABLE"
 BACKENDS = ("triton", "fa2", "fa3")
-TILE_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "num_splits", "key_major")
+TILE_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "num_splits", "key_major", "dc_split")
 
 
 @dataclass(frozen=True)

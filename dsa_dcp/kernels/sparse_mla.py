@@ -127,6 +127,34 @@ def _mma(a, b, DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr):
 
 
 @triton.jit
+def _scores(q, k, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """``q[BLOCK_H, D] @ k[BLOCK_K, D]^T``: on the tensor cores, or (tiny tiles) multiply and sum."""
+    if USE_DOT:
+        return _mma(q, tl.trans(k), DOT_DTYPE, DOT_IEEE)
+    else:
+        return tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+
+
+@triton.jit
+def _load_q(ptr, offs_h, in_h, cols, in_cols, stride_h, q_prescale, Q_PRESCALE: tl.constexpr,
+            UPCAST: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A head block of queries, in the dtype the products take.
+
+    UPCAST (the interpreter, whose bf16 arithmetic is wrong, and the elementwise path, which would
+    otherwise multiply and sum in bf16): fp32. Otherwise the loaded tile goes straight to the dot
+    dtype (a no-op for bf16/fp16 queries on bf16/fp16 KV, so the compiler may keep it in shared
+    memory); Q_PRESCALE (FP8 KV with bf16 queries, see the launcher) scales it in fp32 first.
+    """
+    q = tl.load(ptr + offs_h[:, None] * stride_h + cols[None, :], mask=in_h[:, None] & in_cols[None, :], other=0.0)
+    if Q_PRESCALE:
+        q = q.to(tl.float32) * q_prescale
+    if UPCAST:
+        return q.to(tl.float32)
+    else:
+        return q.to(DOT_DTYPE)
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_nope_ptr,
     q_pe_ptr,
@@ -152,63 +180,59 @@ def _sparse_mla_kernel(
     DR: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_DC: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_DR: tl.constexpr,
+    DC_SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    Q_PRESCALE: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # program_id(1) is (head block, latent part): with DC_SPLIT = 2 the two programs of a head
+    # block each own half of the Dc output columns (and score with all of them)
+    part = tl.program_id(1) % DC_SPLIT
+    offs_h = (tl.program_id(1) // DC_SPLIT) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)  # this program's K range: [k_start, k_end)
     k_start = split * SPLIT_LEN
     k_end = tl.minimum(k_start + SPLIT_LEN, K)
     in_h = offs_h < H
-    offs_dc = tl.arange(0, BLOCK_DC)
-    in_dc = offs_dc < DC
+    own = part * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the output columns (BLOCK_DV = padded Dc / DC_SPLIT)
+    in_own = own < DC
+    other = (1 - part) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the other half (DC_SPLIT = 2 only)
+    in_other = other < DC
     offs_dr = tl.arange(0, BLOCK_DR)
     in_dr = offs_dr < DR
 
-    # UPCAST (the interpreter, whose bf16 arithmetic is wrong, and the elementwise path, which
-    # would otherwise multiply and sum in bf16): fp32 right after every load.
-    # On the GPU, tiles go straight to the dot dtype (a no-op for bf16/fp16; FP8 KV is widened
+    # On the GPU, KV tiles go straight to the dot dtype (a no-op for bf16/fp16; FP8 KV is widened
     # in registers here, its scale applied to the scores and the output, never per element).
-    qn = tl.load(
-        q_nope_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_dc[None, :],
-        mask=in_h[:, None] & in_dc[None, :],
-        other=0.0,
-    )
-    qp = tl.load(
-        q_pe_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_dr[None, :],
-        mask=in_h[:, None] & in_dr[None, :],
-        other=0.0,
-    )
-    # q_prescale is 1 except for FP8 KV with bf16 queries on the tensor cores (see the launcher)
-    qn = qn.to(tl.float32) * q_prescale
-    qp = qp.to(tl.float32) * q_prescale
-    if not UPCAST:
-        qn = qn.to(DOT_DTYPE)
-        qp = qp.to(DOT_DTYPE)
+    q_row = q_nope_ptr + b * stride_qn_b
+    qn = _load_q(q_row, offs_h, in_h, own, in_own, stride_qn_h, q_prescale, Q_PRESCALE, UPCAST, DOT_DTYPE)
+    qp = _load_q(q_pe_ptr + b * stride_qp_b, offs_h, in_h, offs_dr, in_dr, stride_qp_h, q_prescale, Q_PRESCALE,
+                 UPCAST, DOT_DTYPE)
+    if DC_SPLIT == 2:
+        qn_other = _load_q(q_row, offs_h, in_h, other, in_other, stride_qn_h, q_prescale, Q_PRESCALE, UPCAST,
+                           DOT_DTYPE)
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     if KEY_MAJOR:
         # keys as the rows of every product: scores^T = K q^T ([BLOCK_K, BLOCK_H]) and
-        # acc^T = V^T p^T ([BLOCK_DC, BLOCK_H]), so the MMA's wide dimension is the key tile or
-        # the latent, not a small head block
+        # acc^T = V^T p^T ([BLOCK_DV, BLOCK_H]), so the MMA's wide dimension is the key tile or
+        # the latent, not a small head block (DC_SPLIT = 1: the launcher sees to it)
         qn_t = tl.trans(qn)
         qp_t = tl.trans(qp)
-        acc = tl.zeros([BLOCK_DC, BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_DV, BLOCK_H], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(topk_ptr + b * stride_topk + offs_k, mask=offs_k < k_end, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < S)
         kv_row = kv_ptr + tl.where(valid, idx, 0) * stride_kv
-        kc = tl.load(kv_row[:, None] + offs_dc[None, :], mask=valid[:, None] & in_dc[None, :], other=0.0)
+        kc = tl.load(kv_row[:, None] + own[None, :], mask=valid[:, None] & in_own[None, :], other=0.0)
         kr = tl.load(kv_row[:, None] + DC + offs_dr[None, :], mask=valid[:, None] & in_dr[None, :], other=0.0)
         if UPCAST:
             kc = kc.to(tl.float32)
@@ -227,10 +251,15 @@ def _sparse_mla_kernel(
             acc = acc * alpha[None, :] + _mma(tl.trans(kc), p_t, DOT_DTYPE, DOT_IEEE)
             m_i = m_new
         else:
-            if USE_DOT:
-                s = _mma(qn, tl.trans(kc), DOT_DTYPE, DOT_IEEE) + _mma(qp, tl.trans(kr), DOT_DTYPE, DOT_IEEE)
-            else:
-                s = tl.sum(qn[:, None, :] * kc[None, :, :], axis=2) + tl.sum(qp[:, None, :] * kr[None, :, :], axis=2)
+            s = _scores(qn, kc, USE_DOT, DOT_DTYPE, DOT_IEEE) + _scores(qp, kr, USE_DOT, DOT_DTYPE, DOT_IEEE)
+            if DC_SPLIT == 2:
+                # the other half of the latent: scored here, its values left to the other program
+                ko = tl.load(kv_row[:, None] + other[None, :], mask=valid[:, None] & in_other[None, :], other=0.0)
+                if UPCAST:
+                    ko = ko.to(tl.float32)
+                else:
+                    ko = ko.to(DOT_DTYPE)
+                s += _scores(qn_other, ko, USE_DOT, DOT_DTYPE, DOT_IEEE)
             s = tl.where(valid[None, :], s * score_scale, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no (-inf) - (-inf) before a valid key
@@ -251,18 +280,19 @@ def _sparse_mla_kernel(
     if KEY_MAJOR:
         out = acc * (out_scale / denom)[None, :]
         tl.store(
-            out_ptr + out_row[None, :] * DC + offs_dc[:, None],
+            out_ptr + out_row[None, :] * DC + own[:, None],
             out.to(out_ptr.dtype.element_ty),
-            mask=in_h[None, :] & in_dc[:, None],
+            mask=in_h[None, :] & in_own[:, None],
         )
     else:
         out = acc * (out_scale / denom)[:, None]  # acc is 0 for a row without keys
         tl.store(
-            out_ptr + out_row[:, None] * DC + offs_dc[None, :],
+            out_ptr + out_row[:, None] * DC + own[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=in_h[:, None] & in_dc[None, :],
+            mask=in_h[:, None] & in_own[None, :],
         )
-    tl.store(lse_ptr + out_row, tl.where(has, m_i + tl.log(denom), -float("inf")), mask=in_h)
+    if part == 0:  # one program of the head block writes the LSE
+        tl.store(lse_ptr + out_row, tl.where(has, m_i + tl.log(denom), -float("inf")), mask=in_h)
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -312,8 +342,9 @@ def sparse_mla_triton(
     num_stages: int | None = None,
     num_splits: int | None = None,
     key_major: bool | None = None,
+    dc_split: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton sparse MLA decode (see module docstring); grid (B, ceil(H / BLOCK_H), splits).
+    """Triton sparse MLA decode (see module docstring); grid (B, ceil(H / BLOCK_H) * dc_split, splits).
 
     Online softmax over K in tiles of ``block_k``: gather the tile's KV rows, score the head
     block, keep a running max and sum and an fp32 ``acc[BLOCK_H, Dc]``. Tensor-core ``tl.dot`` is
@@ -325,7 +356,10 @@ def sparse_mla_triton(
     be views with a unit last stride (the KV cache is never copied). FP8 KV (``kv_scale``) is
     read as FP8 and widened in registers. ``key_major`` computes the transposed products
     (``scores^T = K q^T``, ``acc^T = V^T p^T``: the key tile and the latent are the MMA's wide
-    dimensions, the head block its narrow one); it needs the tensor-core path. No host sync.
+    dimensions, the head block its narrow one); it needs the tensor-core path. ``dc_split=2``
+    gives each head block two programs, each owning half of the Dc output columns (an fp32
+    accumulator half the size) and each computing the whole score tile (the score product is
+    done twice). No host sync.
     """
     _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv", kv)):
@@ -340,7 +374,7 @@ def sparse_mla_triton(
         return out, torch.full((B, H), float("-inf"), dtype=torch.float32, device=device)
     check_launchable(_sparse_mla_kernel, q_nope, q_pe, kv, topk)
     tiles = {}
-    if device.type == "cuda" and all(v is None for v in (block_h, block_k, num_warps, num_stages, num_splits, key_major)):
+    if device.type == "cuda" and all(v is None for v in (block_h, block_k, num_warps, num_stages, num_splits, key_major, dc_split)):
         choice = dispatch.choose(H, B, K, kv.dtype, device)  # tiles measured for this shape, if any
         tiles = choice.tiles if choice is not None else {}
     tile_h, tile_k, warps = _default_tiles(B, H, device)
@@ -350,20 +384,25 @@ def sparse_mla_triton(
     num_stages = num_stages or tiles.get("num_stages")
     num_splits = num_splits or tiles.get("num_splits")
     key_major = bool(tiles.get("key_major", False) if key_major is None else key_major)
+    dc_split = dc_split or tiles.get("dc_split") or 1
     for name, v in (("block_h", bh), ("block_k", bk)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{_OP}: {name} must be a power of two, got {v}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"{_OP}: num_splits must be >= 1, got {num_splits}")
+    if dc_split not in (1, 2):
+        raise ValueError(f"{_OP}: dc_split must be 1 or 2, got {dc_split}")
+    if dc_split == 2 and key_major:
+        raise ValueError(f"{_OP}: dc_split=2 is for the head-major products, not key_major")
     head_blocks = cdiv(H, bh)
-    splits = num_splits or _default_splits(B * head_blocks, K, bk, device)
+    splits = num_splits or _default_splits(B * head_blocks * dc_split, K, bk, device)
     split_len = cdiv(cdiv(K, splits), bk) * bk  # whole K tiles per split
     splits = cdiv(K, split_len)
     use_dot = bh >= 16 and bk >= 16
     if key_major and not use_dot:
         raise ValueError(f"{_OP}: key_major needs the tensor-core path (block_h and block_k >= 16), got {bh} x {bk}")
     # tl.dot wants every dim >= 16
-    block_dc = max(next_pow2(Dc), 16 if use_dot else 1)
+    block_dv = max(next_pow2(Dc) // dc_split, 16 if use_dot else 1)
     block_dr = max(next_pow2(Dr), 16 if use_dot else 1)
     # tensor-core operands in the query dtype when the KV matches it. FP8 KV is widened to fp16
     # (one instruction per two values, where bf16 takes several), and bf16 queries go to fp16
@@ -389,12 +428,13 @@ def sparse_mla_triton(
     lead = () if splits == 1 else (splits,)
     out = torch.empty(lead + (B, H, Dc), dtype=q_nope.dtype if splits == 1 else torch.float32, device=device)
     lse = torch.empty(lead + (B, H), dtype=torch.float32, device=device)
-    _sparse_mla_kernel[(B, head_blocks, splits)](
+    _sparse_mla_kernel[(B, head_blocks * dc_split, splits)](
         q_nope, q_pe, kv, topk, out, lse,
         B, H, K, kv.shape[0], split_len, float(sm_scale) * scale / q_prescale, scale, q_prescale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), topk.stride(0),
-        DC=Dc, DR=Dr, BLOCK_H=bh, BLOCK_K=bk, BLOCK_DC=block_dc, BLOCK_DR=block_dr,
-        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32), UPCAST=interpreted or not use_dot, KEY_MAJOR=key_major,
+        DC=Dc, DR=Dr, BLOCK_H=bh, BLOCK_K=bk, BLOCK_DV=block_dv, BLOCK_DR=block_dr, DC_SPLIT=dc_split,
+        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32),
+        UPCAST=interpreted or not use_dot, Q_PRESCALE=q_prescale != 1.0, KEY_MAJOR=key_major,
         num_warps=warps, num_stages=num_stages or 3,
     )  # fmt: skip
     if splits == 1:
