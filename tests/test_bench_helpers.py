@@ -8,6 +8,7 @@ import pytest
 from dsa_dcp.bench.kernels import format_tables
 from dsa_dcp.bench.tune import CANDIDATE_SETS, _split_candidates
 from dsa_dcp.kernels.dispatch import TILE_KEYS
+from triton_env import DEVICE
 
 
 @pytest.mark.parametrize("b,h,k,tile", itertools.product((1, 8, 32, 128), (64, 128), (512, 2048), CANDIDATE_SETS["all"]))
@@ -51,8 +52,9 @@ def test_every_tile_candidate_is_a_correct_launch(tile):
     q_nope, q_pe = torch.randn(B, H, Dc, generator=gen), torch.randn(B, H, Dr, generator=gen)
     kv = torch.randn(S, Dc + Dr, generator=gen)
     topk = torch.randint(-1, S, (B, K), generator=gen)
-    ref = sparse_mla_reference(q_nope, q_pe, kv, topk, 0.5)
-    got = sparse_mla_triton(q_nope, q_pe, kv, topk, 0.5, **tile, num_splits=2)
+    args = [t.to(DEVICE) for t in (q_nope, q_pe, kv, topk)]  # the GPU where there is one, else the interpreter
+    ref = sparse_mla_reference(*args, 0.5)
+    got = sparse_mla_triton(*args, 0.5, **tile, num_splits=2)
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
 
