@@ -347,18 +347,17 @@ def test_sparse_mla_fp8_kv(q_dtype, block_h, block_k, num_splits, key_major, dc_
 
 
 def test_sparse_mla_key_major_needs_the_tensor_core_path():
-    q_nope, q_pe, kv, topk = _random_mla(_gen("mla-km"), 2, 2, 4, 10, 16, 8, torch.float32)
+    args = [t.to(DEVICE) for t in _random_mla(_gen("mla-km"), 2, 2, 4, 10, 16, 8, torch.float32)]
     with pytest.raises(ValueError, match="key_major needs the tensor-core path"):
-        sparse_mla_mod.sparse_mla_triton(q_nope, q_pe, kv, topk, 0.5, block_h=2, block_k=4, key_major=True)
+        sparse_mla_mod.sparse_mla_triton(*args, 0.5, block_h=2, block_k=4, key_major=True)
 
 
 def test_sparse_mla_dc_split_contract():
-    q_nope, q_pe, kv, topk = _random_mla(_gen("mla-dcs"), 2, 2, 4, 10, 32, 8, torch.float32)
+    args = [t.to(DEVICE) for t in _random_mla(_gen("mla-dcs"), 2, 2, 4, 10, 32, 8, torch.float32)]
     with pytest.raises(ValueError, match="dc_split must be 1 or 2"):
-        sparse_mla_mod.sparse_mla_triton(q_nope, q_pe, kv, topk, 0.5, dc_split=4)
+        sparse_mla_mod.sparse_mla_triton(*args, 0.5, dc_split=4)
     with pytest.raises(ValueError, match="dc_split=2 is for the head-major products"):
-        sparse_mla_mod.sparse_mla_triton(q_nope, q_pe, kv, topk, 0.5, block_h=16, block_k=16, key_major=True,
-                                         dc_split=2)
+        sparse_mla_mod.sparse_mla_triton(*args, 0.5, block_h=16, block_k=16, key_major=True, dc_split=2)
 
 
 def test_sparse_mla_kv_scale_contract():
