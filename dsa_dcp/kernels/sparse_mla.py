@@ -136,22 +136,26 @@ def _scores(q, k, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.c
 
 
 @triton.jit
+def _operand(x, UPCAST: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A loaded tile in the dtype the products take: fp32 under UPCAST (the interpreter, whose
+    bf16 arithmetic is wrong, and the elementwise path, which would otherwise multiply and sum in
+    bf16), else the dot dtype (a no-op for bf16/fp16 on bf16/fp16; FP8 KV is widened here)."""
+    if UPCAST:
+        return x.to(tl.float32)
+    else:
+        return x.to(DOT_DTYPE)
+
+
+@triton.jit
 def _load_q(ptr, offs_h, in_h, cols, in_cols, stride_h, q_prescale, Q_PRESCALE: tl.constexpr,
             UPCAST: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """A head block of queries, in the dtype the products take.
-
-    UPCAST (the interpreter, whose bf16 arithmetic is wrong, and the elementwise path, which would
-    otherwise multiply and sum in bf16): fp32. Otherwise the loaded tile goes straight to the dot
-    dtype (a no-op for bf16/fp16 queries on bf16/fp16 KV, so the compiler may keep it in shared
-    memory); Q_PRESCALE (FP8 KV with bf16 queries, see the launcher) scales it in fp32 first.
-    """
+    """A head block of queries, in the dtype the products take (:func:`_operand`: bf16/fp16
+    queries on bf16/fp16 KV go to the products as loaded, so the compiler may keep them in shared
+    memory); Q_PRESCALE (FP8 KV with bf16 queries, see the launcher) scales them in fp32 first."""
     q = tl.load(ptr + offs_h[:, None] * stride_h + cols[None, :], mask=in_h[:, None] & in_cols[None, :], other=0.0)
     if Q_PRESCALE:
         q = q.to(tl.float32) * q_prescale
-    if UPCAST:
-        return q.to(tl.float32)
-    else:
-        return q.to(DOT_DTYPE)
+    return _operand(q, UPCAST, DOT_DTYPE)
 
 
 @triton.jit
@@ -206,8 +210,8 @@ def _sparse_mla_kernel(
     offs_dr = tl.arange(0, BLOCK_DR)
     in_dr = offs_dr < DR
 
-    # On the GPU, KV tiles go straight to the dot dtype (a no-op for bf16/fp16; FP8 KV is widened
-    # in registers here, its scale applied to the scores and the output, never per element).
+    # FP8 KV is widened in registers (_operand), its scale applied to the scores and the output,
+    # never per element.
     q_row = q_nope_ptr + b * stride_qn_b
     qn = _load_q(q_row, offs_h, in_h, own, in_own, stride_qn_h, q_prescale, Q_PRESCALE, UPCAST, DOT_DTYPE)
     qp = _load_q(q_pe_ptr + b * stride_qp_b, offs_h, in_h, offs_dr, in_dr, stride_qp_h, q_prescale, Q_PRESCALE,
@@ -234,12 +238,8 @@ def _sparse_mla_kernel(
         kv_row = kv_ptr + tl.where(valid, idx, 0) * stride_kv
         kc = tl.load(kv_row[:, None] + own[None, :], mask=valid[:, None] & in_own[None, :], other=0.0)
         kr = tl.load(kv_row[:, None] + DC + offs_dr[None, :], mask=valid[:, None] & in_dr[None, :], other=0.0)
-        if UPCAST:
-            kc = kc.to(tl.float32)
-            kr = kr.to(tl.float32)
-        else:
-            kc = kc.to(DOT_DTYPE)
-            kr = kr.to(DOT_DTYPE)
+        kc = _operand(kc, UPCAST, DOT_DTYPE)
+        kr = _operand(kr, UPCAST, DOT_DTYPE)
         if KEY_MAJOR:  # (USE_DOT; the launcher sees to it)
             s_t = _mma(kc, qn_t, DOT_DTYPE, DOT_IEEE) + _mma(kr, qp_t, DOT_DTYPE, DOT_IEEE)
             s_t = tl.where(valid[:, None], s_t * score_scale, -float("inf"))
@@ -255,11 +255,7 @@ def _sparse_mla_kernel(
             if DC_SPLIT == 2:
                 # the other half of the latent: scored here, its values left to the other program
                 ko = tl.load(kv_row[:, None] + other[None, :], mask=valid[:, None] & in_other[None, :], other=0.0)
-                if UPCAST:
-                    ko = ko.to(tl.float32)
-                else:
-                    ko = ko.to(DOT_DTYPE)
-                s += _scores(qn_other, ko, USE_DOT, DOT_DTYPE, DOT_IEEE)
+                s += _scores(qn_other, _operand(ko, UPCAST, DOT_DTYPE), USE_DOT, DOT_DTYPE, DOT_IEEE)
             s = tl.where(valid[None, :], s * score_scale, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no (-inf) - (-inf) before a valid key

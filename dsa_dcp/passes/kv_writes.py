@@ -90,16 +90,16 @@ class LocalizeKVWrites(DCPPass):
                          if not _is_attention_read(user, base)), key=lambda w: position[w[0]])
         # Every layer writes the step's tokens to the same slots: one localization per slots
         # tensor, placed before its first write (graph order), serves all of them.
-        local_rows: dict[fx.Node, fx.Node] = {}
+        localized: dict[fx.Node, fx.Node] = {}
         for user, base in writes:
             slots, rows = _write_slots_and_rows(user)
             with graph.inserting_before(user):
-                if slots not in local_rows:
-                    local_rows[slots] = graph.call_function(localize_slots, (slots, n, rank, interleave))
-                graph.call_function(KV_STORE, (base, local_rows[slots], rows))
+                if slots not in localized:
+                    localized[slots] = graph.call_function(localize_slots, (slots, n, rank, interleave))
+                graph.call_function(KV_STORE, (base, localized[slots], rows))
             user.replace_all_uses_with(base)  # in-place writes return their target
             graph.erase_node(user)
-        return {"kv_caches": len(caches), "kv_writes_localized": len(writes), "slot_localizations": len(local_rows)}
+        return {"kv_caches": len(caches), "kv_writes_localized": len(writes), "slot_localizations": len(localized)}
 
 
 def _is_attention_read(user: fx.Node, base: fx.Node) -> bool:
