@@ -242,3 +242,14 @@ def normalize_attention_result(out: Tensor, lse: Tensor, topk: Tensor, lse_base:
     lse = torch.where(empty, torch.full_like(lse, -math.inf), lse)
     out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
     return out, lse
+
+
+# --------------------------------------------------------------------------- op handles
+# The one home of the overloads the passes, models and tools refer to.
+
+KV_STORE = torch.ops.dsa_dcp.kv_store.default
+SPARSE_MLA = torch.ops.dsa_dcp.sparse_mla.default
+TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
+LSE_COMBINE = torch.ops.dsa_dcp.lse_combine.default
+FUSED_A2A_MERGE = torch.ops.dsa_dcp.fused_a2a_merge.default
+C10D = torch.ops._c10d_functional

@@ -67,16 +67,6 @@ def getitem_users(node: fx.Node) -> Iterator[tuple[int, fx.Node]]:
             yield user.args[1], user
 
 
-def add_constant(gm: fx.GraphModule, prefix: str, value: torch.Tensor) -> str:
-    """Register ``value`` on ``gm`` as a non-persistent buffer; returns its attribute name."""
-    i = 0
-    while hasattr(gm, f"{prefix}_{i}"):
-        i += 1
-    name = f"{prefix}_{i}"
-    gm.register_buffer(name, value, persistent=False)
-    return name
-
-
 def is_collective(node: fx.Node) -> bool:
     """A functional collective that moves data (its ``wait_tensor`` is not counted)."""
     target = node.target

@@ -19,7 +19,9 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from dsa_dcp.passes.graph import add_constant, only_user, placeholder_values
+import operator
+
+from dsa_dcp.passes.graph import only_user
 
 EINSUM_TARGETS = {torch.einsum, torch.functional.einsum}
 LINEAR_TARGETS = {torch.nn.functional.linear, torch._C._nn.linear}
@@ -76,22 +78,18 @@ class HeadEpilogue:
 
     def shard(self, gm: fx.GraphModule, example_inputs: tuple, dcp_size: int, rank: int, group_name: str) -> None:
         """Rewrite in place for this rank's head group (see module docstring)."""
-        values = placeholder_values(gm, example_inputs)
         w_uv_node = self.einsum.args[2]
         w_o_node = self.linear.args[1]
-        w_uv, w_o = _real(gm, values, w_uv_node), _real(gm, values, w_o_node)
-        heads = w_uv.shape[0]
+        heads = w_uv_node.meta["example_value"].shape[0]
         group = heads // dcp_size
-        cols = w_o.shape[1] // dcp_size
+        cols = w_o_node.meta["example_value"].shape[1] // dcp_size
         graph = gm.graph
-        w_uv_shard = add_constant(gm, "dcp_w_uv_shard", w_uv[rank * group : (rank + 1) * group].detach().clone())
-        w_o_shard = add_constant(gm, "dcp_w_o_shard", w_o[:, rank * cols : (rank + 1) * cols].detach().contiguous())
         with graph.inserting_before(self.einsum):
-            w_uv_attr = graph.get_attr(w_uv_shard)
+            w_uv_attr = graph.call_function(operator.getitem, (w_uv_node, slice(rank * group, (rank + 1) * group)))
         self.einsum.args = (self.einsum.args[0], self.einsum.args[1], w_uv_attr)
         bias = self.linear.args[2] if len(self.linear.args) > 2 else self.linear.kwargs.get("bias")
         with graph.inserting_before(self.linear):
-            w_o_attr = graph.get_attr(w_o_shard)
+            w_o_attr = graph.call_function(operator.getitem, (w_o_node, (slice(None), slice(rank * cols, (rank + 1) * cols))))
         self.linear.args = (self.flatten, w_o_attr)
         self.linear.kwargs = {}
         with graph.inserting_after(self.linear):
@@ -106,11 +104,3 @@ class HeadEpilogue:
             if user is not reduced:
                 user.replace_input_with(self.linear, result)
 
-
-def _real(gm: fx.GraphModule, values: dict, node: fx.Node) -> torch.Tensor:
-    if node.op == "get_attr":
-        return getattr(gm, node.target)
-    value = values.get(node)
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"cannot find the weight behind {node.name}")
-    return value
