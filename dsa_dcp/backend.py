@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,59 +18,24 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._logging import trace_structured
 
+from dsa_dcp import registry
 from dsa_dcp.config import DCPOptions, OptionsError
-from dsa_dcp.inspect import registry
 from dsa_dcp.lowering import lower
 from dsa_dcp.passes import build_pipeline
-from dsa_dcp.passes.base import CompileContext, PassResult
-from dsa_dcp.passes.graph import graph_summary
+from dsa_dcp.passes.base import CompileContext
+from dsa_dcp.passes.graph import graph_summary, sparse_attention_nodes
+from dsa_dcp.passes.kv_writes import kv_cache_inputs
+from dsa_dcp.report import CompileReport, forget_last_report, last_report, process_group_note, set_last_report, \
+    snapshot
 from dsa_dcp.validate import DCPValidationError, validate
 
 log = logging.getLogger("dsa_dcp.backend")
 
-
-@dataclasses.dataclass
-class CompileReport:
-    """What one compilation did: the options, this rank, and every pass's result in order."""
-
-    options: DCPOptions
-    rank: int
-    graph_before: str
-    passes: list[PassResult]
-    graph_after: str = ""
-    summary: dict[str, int] = dataclasses.field(default_factory=dict)
-    lowered: Callable | None = None  # what runs each step (a CudaGraphStep on CUDA)
-    # per-layer dataflow and collective bytes of the final graph (dsa_dcp.inspect.analysis)
-    analysis: Any = None
-
-    def kernels_per_step(self) -> dict | None:
-        """CUDA kernels replayed per step, per captured input shape (``None`` without CUDA graphs,
-        and for a DCP group: counting runs the step once more, and its collectives would wait for
-        ranks that are not counting, or that count at another time)."""
-        step = self.lowered
-        if self.options.dcp_size > 1 or not hasattr(step, "kernels_per_step"):
-            return None
-        return step.kernels_per_step()
-
-    def stats(self) -> dict[str, dict[str, Any]]:
-        return {p.name: p.stats for p in self.passes}
+__all__ = ["DCPCompileWarning", "compile_context", "dsa_dcp_backend", "forget_last_report", "last_report"]
 
 
-# Only the latest: a report holds its lowered step (CUDA graphs, their memory pool, weight shards),
-# which must not outlive the compiled function. Earlier ones stay reachable, weakly, through
-# dsa_dcp.inspect's registry.
-_last_report: CompileReport | None = None
-
-
-def last_report() -> CompileReport | None:
-    """The report of the most recent compilation in this process."""
-    return _last_report
-
-
-def forget_last_report() -> None:
-    """Drop the most recent report, and the lowered step (CUDA graphs included) it holds."""
-    global _last_report
-    _last_report = None
+class DCPCompileWarning(UserWarning):
+    """Something a compilation did differently from what the options asked (shown once per compilation)."""
 
 
 def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
@@ -97,40 +63,73 @@ def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
     return CompileContext(options=options, rank=rank, group_name=group.group_name), problems
 
 
+# (code object compiled -> input signatures it was compiled for): a DCP step recompiled for inputs
+# of the same shapes was specialized on a Python value, which dynamo recompiles for every new value
+_compiled_signatures: dict[Any, list[tuple]] = {}
+
+
+def _input_signature(example_inputs: Sequence[Any]) -> tuple:
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+                 for x in example_inputs)
+
+
+def _recompile_note(example_inputs: Sequence[Any], opts: DCPOptions) -> str | None:
+    """A warning when this frame was compiled before for inputs of the same shapes (see above)."""
+    _, code = registry.traced_frame()
+    if code is None or opts.dcp_size == 1:
+        return None
+    seen = _compiled_signatures.setdefault(code, [])
+    signature = _input_signature(example_inputs)
+    repeated = signature in seen
+    seen.append(signature)
+    if not repeated:
+        return None
+    return (f"{code.co_name} ({code.co_filename}:{code.co_firstlineno}) was compiled again for inputs of the same "
+            f"shapes ({len(seen)} compilations): dynamo specialized the step on a Python value, such as a "
+            f"position passed as an int, and recompiles it for every new value until its recompile limit "
+            f"(torch._dynamo.config.recompile_limit) stops it. Pass positions as tensors, or compile with "
+            f"dynamic=None (the default) or dynamic=True so the value becomes symbolic (docs/dcp.md, "
+            f"'Positions')")
+
+
 def dsa_dcp_backend(
     gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: dict[str, Any] | None = None
 ) -> Callable:
-    global _last_report
     opts = DCPOptions.parse(options)
     ctx, problems = compile_context(opts)
     ctx = dataclasses.replace(ctx, example_inputs=tuple(example_inputs))
-    pipeline = build_pipeline(ctx)
-    problems += validate(gm, ctx, pipeline)  # every problem at once, before anything is rewritten
-    if problems:
-        raise DCPValidationError(problems)
-    report = CompileReport(options=opts, rank=ctx.rank, graph_before=gm.code, passes=[])
+    report = CompileReport(options=opts, rank=ctx.rank, graph_before=gm.code, passes=[],
+                           process_group=process_group_note(opts.dcp_size))
     trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": "dsa_dcp_input_graph", "encoding": "string"},
         payload_fn=lambda: gm.print_readable(print_output=False),
     )
-    for graph_pass in pipeline:
+    pipeline = build_pipeline(ctx)
+    recompiled = _recompile_note(example_inputs, opts)
+    for graph_pass in pipeline.normalize:  # cannot refuse; every check below sees one spelling
         report.passes.append(graph_pass(gm, ctx))
+    plans, more, notes = validate(gm, ctx, pipeline)  # every problem at once, before anything is rewritten
+    problems += more
+    if problems:
+        raise DCPValidationError(problems)
+    if opts.dcp_size > 1 and not sparse_attention_nodes(gm.graph) and not kv_cache_inputs(gm, ctx.example_inputs):
+        notes.append(f"dcp_size={opts.dcp_size}, but this graph has no sparse attention node and touches no KV "
+                     f"cache allocated by dsa_dcp.allocate_kv_cache: it was compiled without DCP (every rank "
+                     f"runs it whole)")
+    if recompiled:
+        notes.append(recompiled)
+    for graph_pass in pipeline.rewrite:
+        report.passes.append(graph_pass(gm, ctx, plans[graph_pass]))
+    for note in notes:
+        log.warning("dsa_dcp: %s", note)
+        warnings.warn(note, DCPCompileWarning, stacklevel=2)
+    report.warnings = notes
     report.graph_after = gm.code
     report.summary = graph_summary(gm.graph)
-    report.analysis = _analyze(gm, example_inputs, opts)
-    _last_report = report
+    report.graph = snapshot(gm)
+    set_last_report(report)
     registry.record(report, example_inputs)  # so dsa_dcp.inspect(compiled) finds it
-    report.lowered = lower(gm, example_inputs, opts)
-    return report.lowered
-
-
-def _analyze(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: DCPOptions) -> Any:
-    """The inspection tool's view of the final graph; a failure here never fails a compilation."""
-    from dsa_dcp.inspect.analysis import analyze
-
-    try:
-        return analyze(gm, example_inputs, opts.dcp_size, opts.merge)
-    except Exception as e:  # noqa: BLE001
-        log.warning("dsa_dcp: graph analysis for inspection failed: %s: %s", type(e).__name__, e)
-        return None
+    lowered = lower(gm, example_inputs, opts)
+    report.hold_lowered(lowered)
+    return lowered

@@ -1,41 +1,54 @@
 """Compile-time validation: every problem with a DCP program, reported together, before any rewrite.
 
-``validate(gm, ctx, pipeline)`` runs the rules below and returns one message per problem; the
-backend raises them all in one ``DCPValidationError``. The graph rules live beside the pass that
-needs them (each pass's ``check(gm, ctx)``), so a pass and its preconditions cannot drift apart;
-this module is the one place that runs them all, plus the rules about the group and the device.
+``validate(gm, ctx, pipeline)`` runs the rules below and returns the rewrite passes' plans, one
+message per problem, and the warnings to show; the backend raises the problems all at once in one
+``DCPValidationError``. The graph rules live beside the pass that needs them (each rewrite pass's
+``check(gm, ctx)``, which returns the plan that pass then carries out), so a pass and its
+preconditions cannot drift apart; this module is the one place that runs them all, plus the rules
+about the group and the device. A message shared by several nodes (every layer of a model) is
+reported once, naming them all.
 
 The rules (``docs/validation.md`` lists each with its message):
   options          unknown keys and bad values (``DCPOptions.parse``, before anything else)
   group_size       the DCP group has ``dcp_size`` ranks
   rank             a given ``rank`` option matches this process's rank in the group
+  group_agreement  every rank of the group compiles with the same options and the same number of
+                   sparse attention nodes (one small exchange over the group's store)
+  multi_host       the DCP group is on one host, unless ``allow_multi_host``
   heads            head-sharded merges (``a2a``, ``ag_rs``, ``fused_a2a``) need ``H % N == 0``
-  epilogue         head-sharded merges need the attention output to feed the per-head
-                   up-projection and the output projection, and the LSE unused
-  kv_layout        each KV cache was allocated for this ``dcp_size`` and ``interleave``
+  kv_layout        each KV cache was allocated for this ``dcp_size`` and ``interleave`` (at every
+                   ``dcp_size``: a cache allocated for a group and compiled without options too)
   kv_dtype         KV caches are bf16, fp16 (or fp32, the reference dtype)
   kv_writes        a KV cache is only read by sparse attention and written by writes the
                    rewrite can localize
   interleave_page  ``interleave`` divides ``page_size`` (when the page size is given)
-  multi_host       the DCP group is on one host, unless ``allow_multi_host``
   merge_device     ``fused_a2a`` on CUDA needs symmetric memory for the group (or a workspace)
   cuda_graphs      CUDA graphs are not requested for a step that runs on the CPU
   debug_checks     run-time debug checks only with the FX lowering and without CUDA graphs
+Warnings (shown once per compilation): a layer whose epilogue a head-sharded merge cannot shard
+merges with ``ag``; a DCP compilation of a graph with no sparse attention and no KV cache.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import re
 import socket
 
 import torch.distributed as dist
 import torch.fx as fx
 
 from dsa_dcp.lowering import runs_on_cuda
-from dsa_dcp.passes.base import CompileContext, DCPPass
+from dsa_dcp.passes import Pipeline
+from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
+from dsa_dcp.passes.graph import sparse_attention_nodes
+from dsa_dcp.passes.kv_writes import cache_layout_problems
 
-HOST_KEY = "dsa_dcp/host/{}"
-HOST_WAIT = datetime.timedelta(seconds=60)
+AGREEMENT_KEY = "dsa_dcp/compile/{group}/{round}/{rank}"
+AGREEMENT_WAIT = datetime.timedelta(seconds=60)
+# options that may differ between the ranks of one group
+PER_RANK_OPTIONS = ("rank", "group")
 
 
 class DCPValidationError(ValueError):
@@ -47,7 +60,9 @@ class DCPValidationError(ValueError):
         super().__init__(f"dsa_dcp cannot compile this program ({len(self.problems)} problem(s)):\n{lines}")
 
 
-def validate(gm: fx.GraphModule, ctx: CompileContext, pipeline: list[DCPPass]) -> list[str]:
+def validate(gm: fx.GraphModule, ctx: CompileContext, pipeline: Pipeline
+             ) -> tuple[dict[DCPPass, Plan], list[str], list[str]]:
+    """``(plans, problems, warnings)`` for compiling ``gm`` with ``pipeline`` (see module docstring)."""
     opts = ctx.options
     problems: list[str] = []
     on_cuda = runs_on_cuda(ctx.example_inputs)
@@ -56,45 +71,110 @@ def validate(gm: fx.GraphModule, ctx: CompileContext, pipeline: list[DCPPass]) -
     if opts.debug_checks and (opts.lowering != "fx" or (on_cuda and opts.cuda_graphs is not False)):
         problems.append("debug_checks synchronize with the host: use them with lowering='fx' and "
                         "cuda_graphs=False")
+    problems += cache_layout_problems(gm, ctx)
     if ctx.dcp_size == 1:
-        return problems
+        return {}, problems, []
+    problems += group_agreement_problems(gm, ctx)  # first, so no peer waits on a rank that refuses
     if opts.page_size is not None and opts.page_size % opts.interleave:
         problems.append(f"interleave={opts.interleave} must divide page_size={opts.page_size}: a page's tokens "
                         f"are spread over the ranks in whole interleave blocks")
-    problems += _multi_host_problems(ctx)
     if opts.merge == "fused_a2a" and on_cuda and ctx.group_name is not None:
         from dsa_dcp.kernels.fused_merge import unavailable_reason
 
         reason = unavailable_reason(ctx.group_name)
         if reason:
             problems.append(f"merge='fused_a2a' is not available on this device: {reason}; use merge='a2a'")
-    for graph_pass in pipeline:
-        check = getattr(graph_pass, "check", None)
-        if check is not None:
-            problems += check(gm, ctx)
-    return problems
+    plans: dict[DCPPass, Plan] = {}
+    warnings: list[str] = []
+    for graph_pass in pipeline.rewrite:
+        plan = plans[graph_pass] = graph_pass.check(gm, ctx)
+        problems += plan.problems
+        warnings += plan.warnings
+    return plans, grouped(problems), grouped(warnings)
 
 
-def group_hosts(group_name: str) -> list[str] | None:
-    """The host of each rank of the group, through the default store (no collective, so ranks that
-    compile at different times never wait on each other's graphs); ``None`` for a fake group."""
+# --------------------------------------------------------------------------- one message per rule
+
+_IDENTIFIER = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+
+
+def _unnumbered(token: str) -> str:
+    return re.sub(r"_#$", "", re.sub(r"\d+", "#", token))
+
+
+def grouped(messages: list[str]) -> list[str]:
+    """One message for the nodes that share it: messages equal up to numbered names in them
+    (``sparse_mla``, ``sparse_mla_1``, ``..._layers_modules_3_...``) become the first one, followed by
+    the names the others had in its place."""
+    order: list[str] = []
+    same: dict[str, list[str]] = {}
+    for message in messages:
+        key = _IDENTIFIER.sub(lambda m: _unnumbered(m.group(0)), message)
+        if key not in same:
+            order.append(key)
+            same[key] = []
+        if message not in same[key]:
+            same[key].append(message)
+    out = []
+    for key in order:
+        first, *others = same[key]
+        if others:
+            names = [next((b for a, b in zip(_IDENTIFIER.findall(first), _IDENTIFIER.findall(m)) if a != b), "?")
+                     for m in others]
+            first += f"\n     (the same for {len(others)} more: {', '.join(names)})"
+        out.append(first)
+    return out
+
+
+# --------------------------------------------------------------------------- the group's agreement
+
+_rounds: dict[str, int] = {}
+
+
+def _program_options(ctx: CompileContext) -> dict[str, str]:
+    return {name: repr(value) for name, value in sorted(vars(ctx.options).items()) if name not in PER_RANK_OPTIONS}
+
+
+def group_agreement_problems(gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
+    """Every rank of the group publishes its host, options and attention node count through the
+    group's store (no collective: ranks that compile at different times never wait on each other's
+    graphs), then compares: options that differ are refused with every rank's value named."""
+    if ctx.group_name is None:
+        return []
     from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
 
-    group = _resolve_process_group(group_name)
+    group = _resolve_process_group(ctx.group_name)
     if dist.get_backend(group) == "fake":
-        return None
+        return []
+    round_ = _rounds[ctx.group_name] = _rounds.get(ctx.group_name, 0) + 1
+    ranks = dist.get_process_group_ranks(group)
+    mine = {"host": socket.gethostname(), "options": _program_options(ctx),
+            "sparse_attention_nodes": len(sparse_attention_nodes(gm.graph))}
     store = _get_default_store()
-    store.set(HOST_KEY.format(dist.get_rank()), socket.gethostname())
-    keys = [HOST_KEY.format(r) for r in dist.get_process_group_ranks(group)]
-    store.wait(keys, HOST_WAIT)
-    return [store.get(k).decode() for k in keys]
-
-
-def _multi_host_problems(ctx: CompileContext) -> list[str]:
-    if ctx.options.allow_multi_host or ctx.group_name is None:
-        return []
-    hosts = group_hosts(ctx.group_name)
-    if hosts is None or len(set(hosts)) == 1:
-        return []
-    return [f"the DCP group spans {len(set(hosts))} hosts ({sorted(set(hosts))}); every layer merges over it, so "
-            f"it belongs inside one host's fast interconnect. Set allow_multi_host=True to compile it anyway"]
+    keys = [AGREEMENT_KEY.format(group=ctx.group_name, round=round_, rank=r) for r in ranks]
+    store.set(keys[ranks.index(dist.get_rank())], json.dumps(mine))
+    try:
+        store.wait(keys, AGREEMENT_WAIT)
+    except Exception:  # noqa: BLE001 - the store's timeout error names no rank
+        missing = [r for r, k in zip(range(len(ranks)), keys) if not store.check([k])]
+        return [f"ranks {missing} of the DCP group did not reach compilation {round_} of this group within "
+                f"{AGREEMENT_WAIT.seconds} s; every rank must compile the same program (did a rank fail "
+                f"earlier, or compile a different graph?)"]
+    everyone = [json.loads(store.get(k)) for k in keys]
+    problems = []
+    for name in mine["options"]:
+        values = [e["options"][name] for e in everyone]
+        if len(set(values)) > 1:
+            problems.append(f"option {name} differs across the DCP group ("
+                            + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                            + "); every rank must compile with the same options")
+    counts = [e["sparse_attention_nodes"] for e in everyone]
+    if len(set(counts)) > 1:
+        problems.append("the ranks compiled different programs: sparse attention nodes per rank "
+                        f"{dict(enumerate(counts))}; every rank must run the same model step")
+    hosts = [e["host"] for e in everyone]
+    if not ctx.options.allow_multi_host and len(set(hosts)) > 1:
+        problems.append(f"the DCP group spans {len(set(hosts))} hosts ({sorted(set(hosts))}); every layer merges "
+                        f"over it, so it belongs inside one host's fast interconnect. Set allow_multi_host=True "
+                        f"to compile it anyway")
+    return problems

@@ -228,8 +228,8 @@ def test_json_schema_of_the_glm52_report(tiny):
     _, _, data = tiny
     _check_schema(data)
     assert data["options"] == {"dcp_size": 4, "rank": 0, "merge": "a2a", "interleave": 1, "lowering": "fx"}
-    assert [p["name"] for p in data["passes"]][:2] == ["localize_kv_writes", "dcp_rewrite"]
-    assert "topk_remap" in data["passes"][1]["graph_after"] and "topk_remap" not in data["graph_input"]
+    assert [p["name"] for p in data["passes"]][:3] == ["canonicalize", "localize_kv_writes", "dcp_rewrite"]
+    assert "topk_remap" in data["passes"][2]["graph_after"] and "topk_remap" not in data["graph_input"]
     assert data["memory"]["dcp_size"] == 4 and data["memory"]["kv_dtype"] == "bf16"
 
 
@@ -376,9 +376,9 @@ def test_cli_entry_point_factory_and_torch_trace(tmp_path):
 
 
 def test_registry_falls_back_to_parameters_without_dynamos_frame(monkeypatch):
-    from dsa_dcp.inspect import registry
+    from dsa_dcp import registry
 
-    monkeypatch.setattr(registry, "_traced_frame", lambda: (None, None))
+    monkeypatch.setattr(registry, "traced_frame", lambda: (None, None))
     torch._dynamo.reset()
     model, inputs = make_toy()
     compiled = torch.compile(model, backend="dsa_dcp", fullgraph=True)
@@ -403,12 +403,15 @@ class _CountingStep:
 def test_kernel_count_is_not_taken_for_a_dcp_group(dcp_size, expected):
     """Counting runs the step once more on the rank that asks; in a DCP group its collectives
     would wait for the ranks that do not, so the count is not taken there."""
-    from dsa_dcp.backend import CompileReport
     from dsa_dcp.config import DCPOptions
+    from dsa_dcp.report import CompileReport
 
     step = _CountingStep()
-    report = CompileReport(DCPOptions(dcp_size=dcp_size), rank=0, graph_before="", passes=[], lowered=step)
+    report = CompileReport(DCPOptions(dcp_size=dcp_size), rank=0, graph_before="", passes=[])
+    report.hold_lowered(step)
     inspection = Inspection(report, target={})
     kernels = inspection.summary()["kernels_per_step"]
     assert step.asked == (1 if dcp_size == 1 else 0)
     assert kernels == expected
+    del step  # the report holds the step weakly: it never keeps a compiled step (or its CUDA graphs) alive
+    assert report.lowered is None

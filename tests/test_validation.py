@@ -8,6 +8,7 @@ import torch
 import dsa_dcp
 from dsa_dcp.inspect.targets import fake_group as fake_pg
 from dsa_dcp.launch import run_on_ranks
+from dsa_dcp.backend import DCPCompileWarning
 from dsa_dcp.validate import DCPValidationError
 
 S, B, H, DC, DR, K = 24, 3, 4, 8, 4, 5
@@ -71,9 +72,18 @@ def test_rule_heads(fake_group):
                "dcp_size=2; use merge='ag'" in p for p in problems)
 
 
-def test_rule_epilogue(fake_group):
-    (p,) = _problems(step, {"dcp_size": 2, "merge": "a2a"}, _local_cache())
-    assert "needs sparse_mla_default's output to feed a per-head up-projection and the output projection" in p
+def test_rule_epilogue_falls_back_to_ag_with_a_warning(fake_group):
+    """A layer whose epilogue a head-sharded merge cannot shard merges with ag, and says so once."""
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="dsa_dcp", options={"dcp_size": 2, "merge": "a2a"}, fullgraph=True)
+    with pytest.warns(DCPCompileWarning) as caught:
+        compiled(*_inputs(_local_cache()))
+    (w,) = [w for w in caught if issubclass(w.category, DCPCompileWarning)]
+    assert "merge='a2a' cannot shard sparse_mla_default by heads: its output does not feed a per-head " \
+           "up-projection" in str(w.message) and "this layer merges with 'ag'" in str(w.message)
+    report = dsa_dcp.backend_report()
+    assert report.stats()["dcp_rewrite"]["layers_merged_with_ag"] == ["sparse_mla_default"]
+    assert report.summary["collectives"] == 1  # the all-gather; no all-to-all, no all-reduce
 
 
 def test_rule_kv_layout(fake_group):

@@ -6,7 +6,7 @@ compiles a built-in config or a ``module:factory`` for rank 0 of an N-rank group
 (a fake process group) and inspects it; it is what the CLI runs. ``memory_plan`` computes the
 per-rank memory plan of a config. See ``docs/inspect.md``.
 
-Importing this package is cheap: the backend files reports through ``registry``; the report,
+Importing this package is cheap: the backend files reports through ``dsa_dcp.registry``; the report,
 rendering and target code load when used. The package itself is callable —
 ``dsa_dcp.inspect(compiled)`` is ``dsa_dcp.inspect.inspect(compiled)`` — so it needs no
 function of the same name to shadow it, and ``dsa_dcp.inspect.report`` etc. import as usual.

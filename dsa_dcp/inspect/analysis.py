@@ -1,11 +1,10 @@
 """What the compiled graph does, per layer: its top-k source, remap, merge and collectives.
 
-Computed by the backend once per compilation, on the final (rewritten) graph, so the report holds
-plain data and never keeps the graph, the model or its inputs alive:
+Computed when someone inspects a compilation, from the copy of the final (rewritten) graph its
+report keeps:
 
-- shapes come from running the graph once on fake tensors (an ``fx.Interpreter`` under a
-  ``FakeTensorMode``, as ``FakeTensorProp`` does, but writing nothing into ``node.meta``: the graph
-  is lowered afterwards and must not carry a foreign fake mode);
+- shapes come from the nodes' metadata (``meta["example_value"]``: dynamo's fake values, and the
+  ones the passes give every node they insert), so nothing runs the graph again;
 - the structure comes from the FX graph's own order and edges: every node is attributed to the
   latest sparse attention node it depends on, which is how a collective or a merge is tied to its
   layer.
@@ -15,16 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dsa_dcp.passes.graph import FUSED_MERGE, MERGE_TARGETS, TOPK_REMAP, alias_base, is_collective, \
     sparse_attention_nodes
 
-C10D = torch.ops._c10d_functional
 
 # Bytes a rank sends for one collective whose per-rank input is ``b`` bytes, over ``n`` ranks
 # (direct/ring algorithms): all-gather sends its shard to each other rank; all-to-all and
@@ -95,48 +91,17 @@ class GraphAnalysis:
     process_group: str = ""  # the group this rank was compiled in, as seen at compile time
 
 
-def process_group_note(dcp_size: int) -> str:
-    import torch.distributed as dist
-
-    if dcp_size == 1:
-        return "none (dcp_size = 1)"
-    if dist.is_available() and dist.is_initialized():
-        return f"{dist.get_backend()} backend, rank {dist.get_rank()} of {dist.get_world_size()}"
-    return "none"
-
-
-class _ShapeProp(fx.Interpreter):
-    """Runs the graph on fake tensors and keeps the input metadata of each collective."""
-
-    def __init__(self, gm: fx.GraphModule, wanted: set[fx.Node]):
-        super().__init__(gm, garbage_collect_values=True)
-        self.wanted = wanted
-        self.inputs: dict[fx.Node, tuple[list[int], torch.dtype, int]] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n in self.wanted:
-            # a fused merge sends (out, lse): its first two arguments; a collective its first
-            args = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args[: 2 if n.target is FUSED_MERGE else 1]]
-            tensors = [x for x in args if isinstance(x, torch.Tensor)]
-            if tensors:
-                self.inputs[n] = (list(tensors[0].shape), tensors[0].dtype,
-                                  sum(x.numel() * x.element_size() for x in tensors))
-        return super().run_node(n)
-
-
-def _fake_inputs(mode: FakeTensorMode, example_inputs: Sequence[Any]) -> list[Any]:
-    return [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-
-
-def collective_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], nodes: set[fx.Node]) -> dict:
-    """``{collective node: (input shape, dtype, input bytes)}`` from one fake run of ``gm``."""
-    if not nodes:
-        return {}
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with torch._guards.tracing(None), mode, torch.no_grad():
-        prop = _ShapeProp(gm, nodes)
-        prop.run(*_fake_inputs(mode, example_inputs))
-    return prop.inputs
+def collective_inputs(nodes: list[fx.Node]) -> dict:
+    """``{collective node: (input shape, dtype, input bytes)}`` from the nodes' metadata."""
+    found = {}
+    for n in nodes:
+        # a fused merge sends (out, lse): its first two arguments; a collective its first
+        args = n.args[: 2 if n.target is FUSED_MERGE else 1]
+        tensors = [a.meta.get("example_value") for a in args if isinstance(a, fx.Node)]
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        if tensors:
+            found[n] = (list(tensors[0].shape), tensors[0].dtype, sum(t.numel() * t.element_size() for t in tensors))
+    return found
 
 
 def _group_size(node: fx.Node, dcp_size: int) -> int:
@@ -148,7 +113,7 @@ def _group_size(node: fx.Node, dcp_size: int) -> int:
     return dcp_size
 
 
-def analyze(gm: fx.GraphModule, example_inputs: Sequence[Any], dcp_size: int, merge_mode: str | None) -> GraphAnalysis:
+def analyze(gm: fx.GraphModule, dcp_size: int, merge_mode: str | None, process_group: str = "") -> GraphAnalysis:
     """Per-layer dataflow and collective bytes of ``gm`` (see module docstring)."""
     graph = gm.graph
     attns = sparse_attention_nodes(graph)
@@ -186,11 +151,10 @@ def analyze(gm: fx.GraphModule, example_inputs: Sequence[Any], dcp_size: int, me
             flow = layers[owner[node]]
             flow.merge = flow.merge or node.name
 
-    shapes, shapes_known, note = {}, True, ""
-    try:
-        shapes = collective_inputs(gm, example_inputs, set(coll_nodes))
-    except Exception as e:  # noqa: BLE001 - the report says what it could not compute
-        shapes_known, note = False, f"collective shapes unknown: fake run failed ({type(e).__name__}: {e})"
+    shapes = collective_inputs(coll_nodes)
+    missing = [n.name for n in coll_nodes if n not in shapes]
+    shapes_known = not missing
+    note = f"collective shapes unknown for {missing}: no metadata recorded" if missing else ""
     collectives = []
     for node in coll_nodes:
         op = node.target._opname  # type: ignore[union-attr]
@@ -206,4 +170,4 @@ def analyze(gm: fx.GraphModule, example_inputs: Sequence[Any], dcp_size: int, me
             layers[layer].collectives.append(node.name)
     return GraphAnalysis(layers=layers, sources=list(sources.values()), remaps=list(remaps.values()),
                          collectives=collectives, dcp_size=dcp_size, merge=merge_mode if dcp_size > 1 else None,
-                         shapes_known=shapes_known, note=note, process_group=process_group_note(dcp_size))
+                         shapes_known=shapes_known, note=note, process_group=process_group)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 from html import escape
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dsa_dcp.inspect import registry
+from dsa_dcp import registry
 from dsa_dcp.inspect.memory import MemoryPlan, memory_plan
 from dsa_dcp.inspect.render import layout, to_svg, write_png
 
@@ -53,7 +54,7 @@ def inspect(compiled: Any, *, config: Any = None, kv_dtype: str = "bf16", slots:
                            interleave=report.options.interleave)
     if target is None:
         target = {"name": _describe(compiled), "how": "compiled by torch.compile in this process",
-                  "process_group": getattr(report.analysis, "process_group", "") or "unknown"}
+                  "process_group": report.process_group or "unknown"}
     return Inspection(report=report, target=target, memory=plan, compilations=len(reports))
 
 
@@ -118,9 +119,22 @@ class Inspection:
     compilations: int = 1  # compilations filed for the object (recompiles); this is the last
 
     # ------------------------------------------------------------------ data
-    @property
+    @functools.cached_property
     def analysis(self):
-        return self.report.analysis
+        """Per-layer dataflow and collective bytes of the final graph, computed when first asked."""
+        from dsa_dcp.inspect.analysis import analyze
+
+        graph = self.report.graph
+        if graph is None:
+            return None
+        try:
+            return analyze(graph, self.report.options.dcp_size, self.report.options.merge,
+                           process_group=self.report.process_group)
+        except Exception as e:  # noqa: BLE001 - the report says what it could not compute
+            import logging
+
+            logging.getLogger("dsa_dcp.inspect").warning("graph analysis failed: %s: %s", type(e).__name__, e)
+            return None
 
     @property
     def note(self) -> str:

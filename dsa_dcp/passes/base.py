@@ -12,6 +12,7 @@ import torch.fx as fx
 from torch._logging import trace_structured
 
 from dsa_dcp.config import DCPOptions
+from dsa_dcp.passes.errors import DCPRewriteError
 
 log = logging.getLogger("dsa_dcp.passes")
 
@@ -36,6 +37,15 @@ class CompileContext:
 
 
 @dataclasses.dataclass
+class Plan:
+    """What a pass's ``check`` found: the problems that refuse the graph, the warnings to show, and
+    (in subclasses) everything ``run`` needs, so nothing is checked or planned twice."""
+
+    problems: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class PassResult:
     """What one pass did, in numbers the inspection tool and the demo print."""
 
@@ -48,16 +58,22 @@ class PassResult:
 
 
 class DCPPass:
-    """A graph pass: ``run(gm, ctx)`` rewrites ``gm`` in place and returns its stats.
+    """A graph pass: ``check(gm, ctx)`` returns its ``Plan`` (problems included), then
+    ``run(gm, ctx, plan)`` carries the plan out, rewriting ``gm`` in place, and returns its stats.
 
-    Subclasses say in their docstring what graph they expect and what they leave. ``uuid()``
-    hashes the pass's source and the context, so a graph compiled for one rank, group size or
-    option set is never served to another from a compile cache.
+    The backend checks every pass of the pipeline before it runs any, so a refused graph is left
+    untouched; a pass whose decisions depend on an earlier pass's rewrite plans nothing in ``check``
+    and decides in ``run``. Subclasses say in their docstring what graph they expect and what they
+    leave. ``uuid()`` hashes the pass's source and the context, so a graph compiled for one rank,
+    group size or option set is never served to another from a compile cache.
     """
 
     name = "pass"
 
-    def run(self, gm: fx.GraphModule, ctx: CompileContext) -> dict[str, Any]:
+    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> Plan:
+        return Plan()
+
+    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: Plan) -> dict[str, Any]:
         raise NotImplementedError
 
     def uuid(self, ctx: CompileContext) -> str:
@@ -65,17 +81,21 @@ class DCPPass:
         key = f"{type(self).__qualname__}|{src}|{ctx.options.cache_key()}|{ctx.rank}|{ctx.group_name}"
         return hashlib.sha256(key.encode()).hexdigest()
 
-    def __call__(self, gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+    def __call__(self, gm: fx.GraphModule, ctx: CompileContext, plan: Plan | None = None) -> PassResult:
         before_nodes = {_node_key(n) for n in gm.graph.nodes}
+        if plan is None:  # run on its own (tests): check first, refuse before rewriting anything
+            plan = self.check(gm, ctx)
+            if plan.problems:
+                raise DCPRewriteError("\n".join(plan.problems))
         result = PassResult(name=self.name, code_before=gm.code)
-        result.stats = self.run(gm, ctx) or {}
+        result.stats = self.run(gm, ctx, plan) or {}
         gm.graph.lint()
         gm.recompile()
         after_nodes = {_node_key(n) for n in gm.graph.nodes}
         result.code_after = gm.code
         result.nodes_added = sorted(after_nodes - before_nodes)
         result.nodes_removed = sorted(before_nodes - after_nodes)
-        log.debug("%s: %s", self.name, result.stats)
+        log.info("%s: %s", self.name, result.stats)
 
         def trace_payload() -> str:  # one artifact per pass in TORCH_TRACE / tlparse
             head = [f"# pass {result.name}: {result.stats}",

@@ -21,37 +21,24 @@ from __future__ import annotations
 
 import bisect
 import operator
-import re
 
 import networkx as nx
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from dsa_dcp.passes.graph import VIEW_FUNCTIONS, VIEW_METHODS, node_kind, placeholder_values
+from dsa_dcp.passes.graph import VIEW_FUNCTIONS, VIEW_METHODS, node_kind, placeholder_values, recorded_layer
 
 _INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand,
                       operator.ior, operator.ixor, operator.ilshift, operator.irshift}
 _INPLACE_DUNDERS = {f"__{op.__name__}__" for op in _INPLACE_OPERATORS}  # t.__setitem__, t.__iadd__, ...
-_LAYER = re.compile(r"\blayers\W{1,12}?(\d+)")
 
 
 def target_name(target: object) -> str:
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(target)
     return getattr(target, "__name__", str(target))
-
-
-def recorded_layer(node: fx.Node) -> int | None:
-    """The ``layers[i]`` index in dynamo's module stack for ``node`` (outermost match)."""
-    if node.op in ("placeholder", "get_attr", "output"):
-        return None  # inputs are shared by layers; dynamo records only their first user
-    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-        match = _LAYER.search(str(path))
-        if match:
-            return int(match.group(1))
-    return None
 
 
 def _nodes(value: object) -> list[fx.Node]:

@@ -6,158 +6,163 @@ Leaves, for each attention node ``(out, lse) = attn(q_nope, q_pe, kv, topk, scal
 
     local, count = topk_remap(topk, N, rank, I)              # one per attention node
     out_r, lse_r = attn(q_nope, q_pe, kv, local, scale)      # empty rows are (0, -inf) by contract
-    merge by options.merge:
-      ag     pack -> all_gather -> unpack -> lse_combine              every rank: all H heads
-      a2a    pack by head group -> all_to_all -> unpack -> lse_combine  rank j: heads of group j
-      ag_rs  all_gather(lse) -> rescale -> reduce_scatter over heads     rank j: heads of group j
+    out, lse = <the merge strategy's nodes>(out_r, lse_r)    # dsa_dcp.merge.MERGES[options.merge]
 
-For the head-sharded merges the layer's epilogue is sharded too (``head_shard.HeadEpilogue``).
-Everything is checked before anything is rewritten: a graph it refuses is left untouched.
-Layers that share a top-k tensor get one remap each here; ``share_remaps`` merges them.
+For the head-sharded merges the layer's epilogue is sharded too (``head_shard.HeadEpilogue``). A
+layer whose epilogue cannot be sharded (or whose model reads the LSE) merges with ``ag`` instead,
+with a warning naming the node. ``check`` returns the plan (a ``LayerPlan`` per attention node)
+that ``run`` carries out; a graph it refuses is left untouched. Layers that share a top-k tensor get
+one remap each here; ``share_remaps`` merges them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
-import torch
 import torch.fx as fx
 
-from dsa_dcp import merge
-from dsa_dcp.passes.base import CompileContext, DCPPass
-from dsa_dcp.passes.errors import DCPRewriteError, where
-from dsa_dcp.debug_checks import check_topk
+from dsa_dcp.debug_checks import check_step
 from dsa_dcp.kv_cache import kv_layout
-from dsa_dcp.passes.graph import alias_base, getitem_users, is_collective, placeholder_values, sparse_attention_nodes
+from dsa_dcp.merge import MERGES, MergeSite, MergeStrategy
+from dsa_dcp.ops import TOPK_REMAP
+from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
+from dsa_dcp.passes.errors import where
+from dsa_dcp.passes.graph import Emitter, alias_base, getitem_users, placeholder_values, recorded_layer, \
+    sparse_attention_nodes
 from dsa_dcp.passes.head_shard import HeadEpilogue
 
-C10D = torch.ops._c10d_functional
-TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
-LSE_COMBINE = torch.ops.dsa_dcp.lse_combine.default
-HEAD_SHARDED_MERGES = ("a2a", "fused_a2a", "ag_rs")
+ALL_GATHER = MERGES["ag"]
 
 
-def _heads_and_dim(attn: fx.Node) -> tuple[int, int]:
+@dataclasses.dataclass
+class LayerPlan:
+    """How one attention node is rewritten: the merge it uses and the epilogue it shards."""
+
+    attn: fx.Node
+    layer: int | None
+    merge: MergeStrategy
+    epilogue: HeadEpilogue | None = None
+    fallback: str | None = None  # why this layer merges with ag instead of the option's merge
+
+
+@dataclasses.dataclass
+class RewritePlan(Plan):
+    layers: list[LayerPlan] = dataclasses.field(default_factory=list)
+
+
+def _heads_and_dim(attn: fx.Node) -> tuple[object, object]:
     value = attn.args[0].meta.get("example_value")
-    if value is None:
-        raise DCPRewriteError(f"no shape recorded for the query of {attn.name}")
-    return value.shape[1], value.shape[2]
+    return (value.shape[1], value.shape[2]) if value is not None else (None, None)
 
 
 class DCPRewrite(DCPPass):
     name = "dcp_rewrite"
 
-    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
-        """Every reason the attention nodes cannot be rewritten for these options."""
-        problems = [p for attn in sparse_attention_nodes(gm.graph) for p in self._plan(attn, ctx)[1]]
+    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> RewritePlan:
+        plan = RewritePlan()
         if ctx.group_name is None:
-            problems.append("dcp_size > 1 needs a process group to merge over")
-        return problems
+            plan.problems.append("dcp_size > 1 needs a process group to merge over")
+        for attn in sparse_attention_nodes(gm.graph):
+            self._plan_layer(attn, ctx, plan)
+        return plan
 
-    def run(self, gm: fx.GraphModule, ctx: CompileContext) -> dict:
-        opts = ctx.options
-        attns = sparse_attention_nodes(gm.graph)
-        problems = self.check(gm, ctx)  # everything is validated before anything is rewritten
-        if problems:
-            raise DCPRewriteError("\n".join(problems))
+    def _plan_layer(self, attn: fx.Node, ctx: CompileContext, plan: RewritePlan) -> None:
+        n, strategy = ctx.dcp_size, MERGES[ctx.options.merge]
+        layer = recorded_layer(attn)
+        heads, head_dim = _heads_and_dim(attn)
+        if heads is None:
+            plan.problems.append(f"no shape recorded for the query of {attn.name}{where(attn)}")
+            return
+        if not isinstance(heads, int) or not isinstance(head_dim, int):
+            plan.problems.append(f"{attn.name} has a symbolic head count or head dim ({heads}, {head_dim}); "
+                                 f"DCP needs them static{where(attn)}")
+            return
+        if not strategy.head_sharded:
+            plan.layers.append(LayerPlan(attn, layer, strategy))
+            return
+        if heads % n:
+            plan.problems.append(
+                f"merge={strategy.name!r} shards heads over the group, but {attn.name} has {heads} heads, "
+                f"not divisible by dcp_size={n}; use merge='ag' or a dcp_size that divides {heads}{where(attn)}")
+            return
+        items = dict(getitem_users(attn))
+        if len(items) != len(attn.users):
+            reason = "its (out, lse) result is used whole"
+        elif 1 in items and items[1].users:
+            reason = "the model reads its LSE, and a head-sharded merge leaves each rank the LSE of its own heads"
+        else:
+            epilogue = HeadEpilogue.match(items[0]) if 0 in items else None
+            if epilogue is not None:
+                plan.layers.append(LayerPlan(attn, layer, strategy, epilogue))
+                return
+            reason = ("its output does not feed a per-head up-projection and the output projection "
+                      "(einsum('thc,hcv->thv', out, w_uv) -> flatten(1) -> linear(., w_o)) that could be "
+                      "sharded by heads")
+        fallback = f"merge={strategy.name!r} cannot shard {attn.name} by heads: {reason}; this layer merges " \
+                   f"with 'ag'{where(attn)}"
+        plan.layers.append(LayerPlan(attn, layer, ALL_GATHER, fallback=fallback))
+        plan.warnings.append(fallback)
+
+    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: RewritePlan) -> dict:
         collectives = 0
-        for layer, attn in enumerate(attns):
-            epilogue, _ = self._plan(attn, ctx)
-            if opts.debug_checks:
-                self._insert_topk_check(gm, ctx, attn, layer)
-            collectives += self._rewrite(gm, ctx, attn, epilogue)
+        checks = _DebugChecks(gm, ctx) if ctx.options.debug_checks else None
+        for index, layer in enumerate(plan.layers):
+            collectives += self._rewrite(gm, ctx, layer, index, checks)
         return {
-            "sparse_attention_nodes": len(attns),
-            "remaps_inserted": len(attns),
-            "merge": opts.merge,
+            "sparse_attention_nodes": len(plan.layers),
+            "remaps_inserted": len(plan.layers),
+            "merge": ctx.options.merge,
+            "layers_merged_with_ag": [l.attn.name for l in plan.layers if l.fallback],
             "collectives_inserted": collectives,
         }
 
-    def _plan(self, attn: fx.Node, ctx: CompileContext) -> tuple[HeadEpilogue | None, list[str]]:
-        """The epilogue to shard by heads (head-sharded merges), and the problems found."""
-        n, merge_mode = ctx.dcp_size, ctx.options.merge
-        if merge_mode not in HEAD_SHARDED_MERGES:
-            return None, []
-        heads, _ = _heads_and_dim(attn)
-        if heads % n:
-            return None, [
-                f"merge={merge_mode!r} shards heads over the group, but {attn.name} has {heads} heads, "
-                f"not divisible by dcp_size={n}; use merge='ag' or a dcp_size that divides {heads}{where(attn)}"
-            ]
-        items = dict(getitem_users(attn))
-        if len(items) != len(attn.users):
-            return None, [f"{attn.name}'s result is used whole; expected (out, lse) = attn(...){where(attn)}"]
-        if 1 in items and items[1].users:
-            return None, [
-                f"merge={merge_mode!r} leaves each rank the LSE of its own heads only, but the model uses the LSE "
-                f"of {attn.name}; use merge='ag'{where(attn)}"
-            ]
-        epilogue = HeadEpilogue.match(items[0]) if 0 in items else None
-        if epilogue is None:
-            return None, [
-                f"merge={merge_mode!r} needs {attn.name}'s output to feed a per-head up-projection and the output "
-                f"projection (einsum('thc,hcv->thv', out, w_uv).flatten(1) -> linear(., w_o)), so both can be "
-                f"sharded by heads; this graph does something else with it. Use merge='ag'{where(attn)}"
-            ]
-        return epilogue, []
-
     @staticmethod
-    def _insert_topk_check(gm: fx.GraphModule, ctx: CompileContext, attn: fx.Node, layer: int) -> None:
-        """``debug_checks``: a side-effect node before the remap (its result is unused, so remap
-        sharing sees the same top-k). The cache's layout is known: localize_kv_writes refused any other."""
-        cache = placeholder_values(gm, ctx.example_inputs)[alias_base(attn.args[2])]
-        num_slots = kv_layout(cache).num_slots
-        with gm.graph.inserting_before(attn):
-            gm.graph.call_function(check_topk, (attn.args[3], num_slots, layer, ctx.dcp_size, ctx.group_name))
-
-    def _rewrite(self, gm: fx.GraphModule, ctx: CompileContext, attn: fx.Node, epilogue: HeadEpilogue | None) -> int:
-        graph, n, rank, group = gm.graph, ctx.dcp_size, ctx.rank, ctx.group_name
+    def _rewrite(gm: fx.GraphModule, ctx: CompileContext, layer: LayerPlan, index: int,
+                 checks: _DebugChecks | None) -> int:
+        graph, attn, n = gm.graph, layer.attn, ctx.dcp_size
+        emit = Emitter(graph, like=attn)
         q_nope, q_pe, kv, topk, scale = attn.args
         with graph.inserting_before(attn):
-            remap = graph.call_function(TOPK_REMAP, (topk, n, rank, ctx.options.interleave))
-            local = graph.call_function(operator.getitem, (remap, 0))
+            if checks is not None:
+                checks.insert(topk, kv, index)
+            local = emit(operator.getitem, emit(TOPK_REMAP, topk, n, ctx.rank, ctx.options.interleave), 0)
         attn.args = (q_nope, q_pe, kv, local, scale)
 
         old = dict(getitem_users(attn))
-        calls = []
-
-        def call(target, *args):
-            node = graph.call_function(target, args)
-            calls.append(node)
-            return node
-
-        def collective(op, *args):
-            return call(C10D.wait_tensor.default, call(op, *args))
-
         with graph.inserting_before(attn.next):  # keeps the new nodes in creation order
-            out_r = call(operator.getitem, attn, 0)
-            lse_r = call(operator.getitem, attn, 1)
-            _, head_dim = _heads_and_dim(attn)
-            mode = ctx.options.merge
-            if mode in ("ag", "a2a", "fused_a2a"):  # fuse_merge turns the a2a chain into one node
-                if mode == "ag":  # every rank gets every head of every rank
-                    packed = call(merge.pack_head_groups, out_r, lse_r, 1)
-                    recv = collective(C10D.all_gather_into_tensor.default, packed, n, group)
-                else:  # rank j gets head group j of every rank
-                    packed = call(merge.pack_head_groups, out_r, lse_r, n)
-                    recv = collective(C10D.all_to_all_single.default, packed, [1] * n, [1] * n, group)
-                parts = call(merge.unpack_head_groups, recv, head_dim)
-                combined = call(LSE_COMBINE, call(operator.getitem, parts, 0), call(operator.getitem, parts, 1))
-            elif mode == "ag_rs":
-                gathered = collective(C10D.all_gather_into_tensor.default, lse_r, n, group)
-                lse_all = call(merge.split_gathered, gathered, n)
-                scaled = call(merge.rescale_for_reduce_scatter, out_r, lse_r, lse_all, n)
-                partial = call(operator.getitem, scaled, 0)
-                reduced = collective(C10D.reduce_scatter_tensor.default, partial, "sum", n, group)
-                combined = call(merge.finish_reduce_scatter, reduced, call(operator.getitem, scaled, 1), out_r, n, rank)
-            else:  # validated by DCPOptions
-                raise DCPRewriteError(f"unknown merge {mode!r}")
-            new_out = call(operator.getitem, combined, 0)
-            new_lse = call(operator.getitem, combined, 1)
-        for index, replacement in ((0, new_out), (1, new_lse)):
-            if index in old:
-                old[index].replace_all_uses_with(replacement)
-                graph.erase_node(old[index])
-        if epilogue is not None:
-            epilogue.shard(gm, ctx.example_inputs, n, rank, group)
-        return sum(1 for c in calls if is_collective(c)) + (1 if epilogue is not None else 0)
+            out_r = emit(operator.getitem, attn, 0)
+            lse_r = emit(operator.getitem, attn, 1)
+            if checks is not None:
+                checks.insert(topk, kv, index)
+            site = MergeSite(dcp_size=n, rank=ctx.rank, group_name=ctx.group_name, head_dim=_heads_and_dim(attn)[1])
+            combined = layer.merge.emit(emit, out_r, lse_r, site)
+            new_out = emit(operator.getitem, combined, 0)
+            new_lse = emit(operator.getitem, combined, 1)
+        for i, replacement in ((0, new_out), (1, new_lse)):
+            if i in old:
+                old[i].replace_all_uses_with(replacement)
+                graph.erase_node(old[i])
+        if layer.epilogue is not None:
+            all_reduce = layer.epilogue.shard(gm, n, ctx.rank, ctx.group_name)
+            if checks is not None:
+                with graph.inserting_before(all_reduce):
+                    checks.insert(topk, kv, index)
+        return layer.merge.collectives + (1 if layer.epilogue is not None else 0)
+
+
+class _DebugChecks:
+    """``debug_checks``: a ``check_step`` node before each collective the rewrite adds, numbered in
+    graph order. Its result is unused, so remap sharing still sees the same top-k. The cache's layout
+    is known: localize_kv_writes refused any other."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: CompileContext) -> None:
+        self.graph, self.ctx, self.position = gm.graph, ctx, 0
+        self.values = placeholder_values(gm, ctx.example_inputs)
+
+    def insert(self, topk: fx.Node, kv: fx.Node, layer_index: int) -> None:
+        """A check of the layer's global ``topk`` (slots of the cache ``kv``) at the insert point."""
+        num_slots = kv_layout(self.values[alias_base(kv)]).num_slots
+        self.graph.call_function(check_step, (topk, self.position, layer_index, num_slots, self.ctx.dcp_size,
+                                              self.ctx.group_name))
+        self.position += 1

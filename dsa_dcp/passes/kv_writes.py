@@ -1,30 +1,33 @@
 """Localize KV writes: each rank stores only the tokens it owns, at their local rows.
 
-Expects: dynamo's graph of a model whose sparse attention nodes read KV caches that are graph
-inputs allocated by ``dsa_dcp.allocate_kv_cache`` for this DCP size.
+Expects: dynamo's graph whose KV caches are graph inputs allocated by
+``dsa_dcp.allocate_kv_cache`` for this DCP size. A KV cache is every input with a recorded KV layout
+and every cache a sparse attention node reads — also in a graph that only writes it (a prefill step
+that attends over the prompt in hand).
 Leaves: every write into those caches is ``kv_store(cache, localize_slots(slots), rows)``, with
 one ``localize_slots`` node per slots tensor shared by all the layers that write through it —
 ``kv_store`` nodes get localized slots, and plain ``index_put_`` / ``index_copy_`` / ``cache[s] = x``
-writes become ``kv_store`` (negative slots then mean "no slot"). Index-key caches, which no
-attention node reads, stay replicated and untouched. Refuses (``DCPRewriteError``) a cache of the
-wrong size or unknown layout, and any other write or read of a KV cache it cannot localize.
+writes become ``kv_store`` (negative slots then mean "no slot"). Index-key caches (no recorded
+layout, read by no attention node) stay replicated and untouched. ``check`` refuses a cache of the
+wrong size or unknown layout, and any other write or read of a KV cache it cannot localize;
+``cache_layout_problems`` is the part of it that holds at every ``dcp_size`` (a cache allocated for
+a DCP group and compiled without its options is refused too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
 import torch.fx as fx
 
 from dsa_dcp.kv_cache import kv_layout
-from dsa_dcp.ops import SPARSE_ATTENTION_OPS
-from dsa_dcp.passes.base import CompileContext, DCPPass
-from dsa_dcp.passes.errors import DCPRewriteError, where
-from dsa_dcp.passes.graph import alias_base, placeholder_values, sparse_attention_nodes
+from dsa_dcp.ops import KV_STORE, SPARSE_ATTENTION_OPS
+from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
+from dsa_dcp.passes.errors import where
+from dsa_dcp.passes.graph import Emitter, alias_base, placeholder_values, sparse_attention_nodes
 from dsa_dcp.slots import localize_slots
-
-KV_STORE = torch.ops.dsa_dcp.kv_store.default
 
 
 def _write_slots_and_rows(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -60,46 +63,78 @@ def kv_caches_read_by_attention(gm: fx.GraphModule) -> tuple[dict[fx.Node, fx.No
     return caches, problems
 
 
+def kv_cache_inputs(gm: fx.GraphModule, example_inputs: tuple) -> dict[fx.Node, torch.Tensor]:
+    """Every graph input that is a KV cache by its recorded layout (``allocate_kv_cache``)."""
+    return {node: value for node, value in placeholder_values(gm, example_inputs).items()
+            if isinstance(value, torch.Tensor) and kv_layout(value) is not None}
+
+
+def cache_layout_problems(gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
+    """Caches allocated for another ``dcp_size`` than the options', at any ``dcp_size`` (1 included)."""
+    if ctx.dcp_size > 1:
+        return []  # LocalizeKVWrites.check covers every cache, with the interleave too
+    problems = []
+    for base, cache in kv_cache_inputs(gm, ctx.example_inputs).items():
+        layout = kv_layout(cache)
+        if layout.dcp_size != 1:
+            problems.append(
+                f"KV cache {base.name} was allocated for dcp_size={layout.dcp_size} ({layout.rows} rows for "
+                f"{layout.num_slots} slots: this rank's share) but compiled for dcp_size=1; pass "
+                f"options={{'dcp_size': {layout.dcp_size}, ...}} to torch.compile (a DCP rank's cache cannot "
+                f"serve a single-rank program)")
+    return problems
+
+
+@dataclasses.dataclass
+class WritePlan(Plan):
+    caches: list[fx.Node] = dataclasses.field(default_factory=list)
+    # (write node, cache, slots, rows) in program order
+    writes: list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]] = dataclasses.field(default_factory=list)
+
+
 class LocalizeKVWrites(DCPPass):
     name = "localize_kv_writes"
 
-    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
-        """Every reason this graph's KV caches cannot be localized (empty when it can)."""
-        caches, problems = kv_caches_read_by_attention(gm)
+    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> WritePlan:
+        """The caches and the writes to localize, and every reason they cannot be."""
+        read, problems = kv_caches_read_by_attention(gm)
+        plan = WritePlan(problems=problems)
         inputs = placeholder_values(gm, ctx.example_inputs)
+        caches = list(read) + [c for c in kv_cache_inputs(gm, ctx.example_inputs) if c not in read]
+        position = {node: i for i, node in enumerate(gm.graph.nodes)}
         for base in caches:
-            problems += _layout_problems(base, inputs.get(base), ctx.dcp_size, ctx.options.interleave)
+            plan.problems += _layout_problems(base, inputs.get(base), ctx.dcp_size, ctx.options.interleave)
             for user in base.users:
-                if not _is_attention_read(user, base) and not _is_localizable_write(user, base):
-                    problems.append(
-                        f"KV cache {base.name} is used by {user.format_node()}, which the DCP rewrite cannot localize "
-                        f"(a KV cache may only be read by sparse attention and written by kv_store, index_put_, "
-                        f"index_copy_ or cache[slots] = rows, on the cache itself, not a view){where(user)}"
-                    )
-        return problems
+                if _is_attention_read(user, base):
+                    continue
+                if _is_localizable_write(user, base):
+                    plan.writes.append((user, base, *_write_slots_and_rows(user)))
+                    continue
+                plan.problems.append(
+                    f"KV cache {base.name} is used by {user.format_node()}, which the DCP rewrite cannot localize "
+                    f"(a KV cache may only be read by sparse attention and written by kv_store, index_put_, "
+                    f"index_copy_ or cache[slots] = rows, on the cache itself, not a view){where(user)}"
+                )
+        plan.caches = caches
+        plan.writes.sort(key=lambda w: position[w[0]])
+        return plan
 
-    def run(self, gm: fx.GraphModule, ctx: CompileContext) -> dict:
-        problems = self.check(gm, ctx)
-        if problems:
-            raise DCPRewriteError("\n".join(problems))
+    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: WritePlan) -> dict:
         n, rank, interleave = ctx.dcp_size, ctx.rank, ctx.options.interleave
-        caches, _ = kv_caches_read_by_attention(gm)
         graph = gm.graph
-        position = {node: i for i, node in enumerate(graph.nodes)}
-        writes = sorted(((user, base) for base in caches for user in base.users
-                         if not _is_attention_read(user, base)), key=lambda w: position[w[0]])
         # Every layer writes the step's tokens to the same slots: one localization per slots
         # tensor, placed before its first write (graph order), serves all of them.
         localized: dict[fx.Node, fx.Node] = {}
-        for user, base in writes:
-            slots, rows = _write_slots_and_rows(user)
+        for user, base, slots, rows in plan.writes:
+            emit = Emitter(graph, like=user)
             with graph.inserting_before(user):
                 if slots not in localized:
-                    localized[slots] = graph.call_function(localize_slots, (slots, n, rank, interleave))
-                graph.call_function(KV_STORE, (base, localized[slots], rows))
+                    localized[slots] = emit(localize_slots, slots, n, rank, interleave)
+                emit(KV_STORE, base, localized[slots], rows)
             user.replace_all_uses_with(base)  # in-place writes return their target
             graph.erase_node(user)
-        return {"kv_caches": len(caches), "kv_writes_localized": len(writes), "slot_localizations": len(localized)}
+        return {"kv_caches": len(plan.caches), "kv_writes_localized": len(plan.writes),
+                "slot_localizations": len(localized)}
 
 
 def _is_attention_read(user: fx.Node, base: fx.Node) -> bool:

@@ -22,9 +22,10 @@ import networkx as nx
 import torch.fx as fx
 
 from dsa_dcp.ops import SPARSE_ATTENTION_OPS
-from dsa_dcp.passes.base import CompileContext, DCPPass, log
+from dsa_dcp.passes.base import CompileContext, DCPPass, Plan, log
 from dsa_dcp.passes.dataflow import alias_classes, to_networkx
-from dsa_dcp.passes.graph import TOPK_REMAP, getitem_users
+from dsa_dcp.ops import TOPK_REMAP
+from dsa_dcp.passes.graph import getitem_users
 from dsa_dcp.passes.values import ValueNumbering
 
 
@@ -40,7 +41,7 @@ class _Remap:
 class ShareRemaps(DCPPass):
     name = "share_remaps"
 
-    def run(self, gm: fx.GraphModule, ctx: CompileContext) -> dict:
+    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: Plan) -> dict:
         g = to_networkx(gm.graph)
         classes = alias_classes(gm, ctx.example_inputs)
         numbering = ValueNumbering(gm, g, classes, ctx.example_inputs)

@@ -73,10 +73,18 @@ def _whole(index: object) -> bool:
                for i in items)
 
 
+def _shape_key(shape) -> tuple:
+    """A hashable form of a shape: a symbolic size (dynamic shapes) by its expression."""
+    return tuple(_constant(d) for d in shape)
+
+
 def _constant(value: object) -> object:
-    """A hashable form of a constant argument; raises ``TypeError`` for a node or anything else."""
+    """A hashable form of a constant argument; raises ``TypeError`` for a node or anything else.
+    A symbolic size is keyed by its expression: equal expressions are equal sizes."""
     if isinstance(value, fx.Node):
         raise TypeError("not a constant")
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("sym", type(value).__name__, str(value.node.expr))
     if isinstance(value, slice):
         return ("slice", _constant(value.start), _constant(value.stop), _constant(value.step))
     if isinstance(value, (tuple, list)):
@@ -136,7 +144,7 @@ class ValueNumbering:
         if name in CONVERT_OPS and _same_meta(node, args[0], shape=True, dtype=False):
             return args[0], ("convert", node.meta["example_value"].dtype)
         if name in RESHAPE_OPS and _same_meta(node, args[0], shape=False):
-            return args[0], ("reshape", tuple(node.meta["example_value"].shape))
+            return args[0], ("reshape", _shape_key(node.meta["example_value"].shape))
         if (node.op == "call_method" and node.target in VIEW_METHODS - {"as_strided"}) or \
                 (node.op == "call_function" and node.target in VIEW_FUNCTIONS):  # as_strided reads memory, not values
             try:
@@ -160,7 +168,7 @@ class ValueNumbering:
         parent = self.values[source.name]
         number, shape = parent.number, parent.shape
         if view is not None and view[0] == "reshape":
-            base, base_shape = shape or (parent.number, tuple(source.meta["example_value"].shape))
+            base, base_shape = shape or (parent.number, _shape_key(source.meta["example_value"].shape))
             number = base if view[1] == base_shape else self._number((base, view))
             shape = (base, base_shape)
         elif view is not None:

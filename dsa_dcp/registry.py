@@ -29,7 +29,7 @@ _by_key: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _unkeyed: list[tuple[Any, WeakIdKeyDictionary]] = []
 
 
-def _traced_frame() -> tuple[Any, types.CodeType | None]:
+def traced_frame() -> tuple[Any, types.CodeType | None]:
     """``(self or None, code)`` of the frame dynamo is compiling now, if it can be found."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
@@ -50,7 +50,7 @@ def _traced_frame() -> tuple[Any, types.CodeType | None]:
 
 def record(report: Any, example_inputs: Sequence[Any]) -> list[Any]:
     """File ``report`` under the compiled module or function; returns the keys used."""
-    module, code = _traced_frame()
+    module, code = traced_frame()
     keys: list[Any] = [module] if module is not None else ([code] if code is not None else [])
     for key in keys:
         filed = _by_key.setdefault(key, [])

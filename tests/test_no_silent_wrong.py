@@ -1,0 +1,272 @@
+"""A DCP program gives the single-rank answer or refuses clearly: the misuses that once gave wrong
+results without an error (graphs that only write a cache, the op packets, caches compiled without
+options, ranks with different options, a step retried on one rank, dynamic shapes, Python-int
+positions). Multi-rank cases run on gloo CPU ranks; single-rank references on the same inputs."""
+
+import warnings
+
+import pytest
+import torch
+
+import dsa_dcp
+from dsa_dcp.backend import DCPCompileWarning
+from dsa_dcp.inspect.targets import fake_group
+from dsa_dcp.launch import run_on_ranks
+from dsa_dcp.slots import local_row, owner
+from dsa_dcp.validate import DCPValidationError
+
+S, B, H, DC, DR, K, LAYERS = 40, 5, 4, 8, 4, 6, 3
+OPS = torch.ops.dsa_dcp
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    while err is not None and not isinstance(err, (DCPValidationError, dsa_dcp.OptionsError)):
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    return err
+
+
+def _inputs(seed: int, rows: int = B):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(S, generator=g)[:rows]
+    slots[-1] = -1  # a padding row
+    topk = torch.randint(0, S, (rows, K), generator=g)
+    topk[0, K // 2:] = -1
+    return (torch.randn(rows, H, DC, generator=g), torch.randn(rows, H, DR, generator=g), topk, slots,
+            torch.randn(rows, DC + DR, generator=g))
+
+
+# --------------------------------------------------------------------------- a graph that only writes
+
+
+def prefill(cache, slots, rows):
+    """Stores the step's KV and attends over nothing of the cache (a prompt attends over itself)."""
+    OPS.kv_store.default(cache, slots, rows)
+    return rows.sum()
+
+
+def prefill_by_index_put(cache, slots, rows):
+    cache[slots.clamp(min=0)] = rows  # the model author's spelling (no padding rows here)
+    return rows.sum()
+
+
+def decode(q_nope, q_pe, cache, topk):
+    out, _ = OPS.sparse_mla.default(q_nope, q_pe, cache, topk, 0.3)
+    return out
+
+
+def _write_then_read_rank(rank, world, writer):
+    cache = dsa_dcp.allocate_kv_cache(S, DC + DR, dcp_size=world)
+    opts = {"dcp_size": world, "merge": "ag", "lowering": "fx"}
+    write = torch.compile(globals()[writer], backend="dsa_dcp", options=opts, fullgraph=True)
+    read = torch.compile(decode, backend="dsa_dcp", options=opts, fullgraph=True)
+    q_nope, q_pe, topk, slots, rows = _inputs(1)
+    if writer == "prefill_by_index_put":
+        slots, rows = slots[:-1], rows[:-1]
+    write(cache, slots, rows)
+    written = dsa_dcp.backend_report().summary["kv_writes"]
+    return cache.clone(), read(q_nope, q_pe, cache, topk), written
+
+
+def _single_rank(writer):
+    cache = torch.zeros(S, DC + DR)
+    q_nope, q_pe, topk, slots, rows = _inputs(1)
+    if writer == "prefill_by_index_put":
+        slots, rows = slots[:-1], rows[:-1]
+    keep = slots >= 0
+    cache[slots[keep]] = rows[keep]
+    return cache, decode(q_nope, q_pe, cache, topk)
+
+
+@pytest.mark.parametrize("writer", ["prefill", "prefill_by_index_put"])
+def test_a_graph_that_only_writes_a_dcp_cache_is_localized(writer):
+    ref_cache, ref_out = _single_rank(writer)
+    world = 2
+    ranks = run_on_ranks(_write_then_read_rank, world, writer)
+    slots = torch.arange(S)
+    for r, (cache, out, written) in enumerate(ranks):
+        assert written == 1
+        mine = owner(slots, world) == r
+        assert torch.equal(cache[local_row(slots[mine], world)], ref_cache[mine]), f"rank {r} stored other rows"
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- every spelling of the ops
+
+
+def step_with_packets(q_nope, q_pe, cache, topk, slots, rows):
+    OPS.kv_store(cache, slots=slots, rows=rows)  # the packet, arguments by name
+    out, _ = OPS.sparse_mla(q_nope, q_pe, kv=cache, topk=topk, sm_scale=0.3)
+    return out
+
+
+def _packets_rank(rank, world):
+    cache = dsa_dcp.allocate_kv_cache(S, DC + DR, dcp_size=world)
+    step = torch.compile(step_with_packets, backend="dsa_dcp",
+                         options={"dcp_size": world, "merge": "ag", "lowering": "fx"}, fullgraph=True)
+    q_nope, q_pe, topk, slots, rows = _inputs(2)
+    out = step(q_nope, q_pe, cache, topk, slots, rows)
+    return out, dsa_dcp.backend_report().summary
+
+
+def test_the_op_packets_and_keyword_arguments_are_rewritten():
+    q_nope, q_pe, topk, slots, rows = _inputs(2)
+    ref = step_with_packets(q_nope, q_pe, torch.zeros(S, DC + DR), topk, slots, rows)
+    for out, summary in run_on_ranks(_packets_rank, 2):
+        assert summary["sparse_attention_nodes"] == 1 and summary["kv_writes"] == 1 and summary["remaps"] == 1
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_allocated_for_a_group_is_refused_without_options():
+    cache = dsa_dcp.allocate_kv_cache(S, DC + DR, dcp_size=2)
+    torch._dynamo.reset()
+    step = torch.compile(step_with_packets, backend="dsa_dcp", fullgraph=True)
+    with pytest.raises(Exception) as err:
+        step(*_inputs(3)[:2], cache, *_inputs(3)[2:])
+    cause = _root_cause(err.value)
+    assert isinstance(cause, DCPValidationError), repr(err.value)
+    (problem,) = cause.problems
+    assert "was allocated for dcp_size=2" in problem and "but compiled for dcp_size=1" in problem
+    assert "pass options={'dcp_size': 2, ...}" in problem
+
+
+def test_a_dcp_compilation_that_rewrites_nothing_says_so():
+    torch._dynamo.reset()
+    with fake_group(2):
+        f = torch.compile(lambda x: x * 2, backend="dsa_dcp", options={"dcp_size": 2}, fullgraph=True)
+        with pytest.warns(DCPCompileWarning, match="has no sparse attention node and touches no KV cache"):
+            f(torch.ones(3))
+
+
+# --------------------------------------------------------------------------- ranks that disagree
+
+MISMATCHES = [  # (option, rank 0's value, rank 1's value)
+    ("interleave", 1, 2),
+    ("merge", "a2a", "ag"),
+    ("debug_checks", False, True),
+    ("allow_multi_host", False, True),
+]
+
+
+def _mismatch_rank(rank, world):
+    from dsa_dcp.models import DSAModel, get_config
+
+    cfg = get_config("glm5.2-tiny", n_layers=2)
+    errors = {}
+    for name, *values in MISMATCHES:
+        torch._dynamo.reset()
+        options = {"dcp_size": world, "lowering": "fx", name: values[rank]}
+        model = DSAModel(cfg, 128, dcp_size=world, interleave=options.get("interleave", 1))
+        step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True)
+        rows = torch.zeros(4, dtype=torch.int64)
+        try:
+            with torch.no_grad():
+                step(rows, rows, rows, rows - 1, torch.zeros(1, 2, dtype=torch.int32))
+            errors[name] = "compiled"
+        except Exception as e:  # noqa: BLE001
+            cause = _root_cause(e)
+            errors[name] = cause.problems if isinstance(cause, DCPValidationError) else repr(e)
+    return errors
+
+
+def test_ranks_compiled_with_different_options_are_refused_naming_the_values():
+    ranks = run_on_ranks(_mismatch_rank, 2, timeout=240)
+    for name, a, b in MISMATCHES:
+        for errors in ranks:
+            problems = errors[name]
+            assert isinstance(problems, list), problems
+            expected = f"option {name} differs across the DCP group (rank 0: {a!r}, rank 1: {b!r})"
+            assert any(expected in p for p in problems), problems
+
+
+# --------------------------------------------------------------------------- a step retried on one rank
+
+_fault = {"rank": -1, "call": -1, "calls": 0}
+
+
+@dsa_dcp.sparse_attention
+def faulty_attention(q_nope, q_pe, kv, topk, sm_scale):
+    """The reference attention, which raises on the armed call (a failure inside one layer)."""
+    _fault["calls"] += 1
+    if _fault["calls"] == _fault["call"]:
+        raise RuntimeError("injected failure")
+    return dsa_dcp.kernels.sparse_mla_reference(q_nope, q_pe, kv, topk, sm_scale)
+
+
+def layered_step(q_nope, q_pe, caches, topk, slots, rows):
+    h = q_nope
+    for cache in caches:
+        OPS.kv_store.default(cache, slots, rows)
+        out, _ = faulty_attention(h, q_pe, cache, topk, 0.3)
+        h = h + out
+    return h
+
+
+def _retry_rank(rank, world):
+    caches = [dsa_dcp.allocate_kv_cache(S, DC + DR, dcp_size=world) for _ in range(LAYERS)]
+    step = torch.compile(layered_step, backend="dsa_dcp", fullgraph=True,
+                         options={"dcp_size": world, "merge": "ag", "lowering": "fx", "debug_checks": True})
+    step(*_inputs(4)[:2], caches, *_inputs(4)[2:])  # step 0: every rank completes it
+    if rank == 1:  # step 1: rank 1 fails inside layer 2 ...
+        _fault["calls"], _fault["call"] = 0, 3
+    try:
+        step(*_inputs(5)[:2], caches, *_inputs(5)[2:])
+        first = "completed"
+    except Exception as e:  # noqa: BLE001
+        first = f"{type(e).__name__}: {e}"
+    if rank == 1:  # ... and retries the step alone, as an engine that retries locally would
+        try:
+            step(*_inputs(5)[:2], caches, *_inputs(5)[2:])
+            return first, "completed"
+        except Exception as e:  # noqa: BLE001
+            return first, f"{type(e).__name__}: {e}"
+    return first, None
+
+
+def test_a_step_retried_on_one_rank_fails_the_group_under_debug_checks():
+    (rank0, _), (rank1_first, rank1_retry) = run_on_ranks(_retry_rank, 2, timeout=240)
+    assert "injected failure" in rank1_first
+    for message in (rank0, rank1_retry):
+        assert "DCPRuntimeCheckError" in message and "out of step" in message, message
+        assert "every rank must abandon it" in message
+
+
+# --------------------------------------------------------------------------- dynamic shapes, int positions
+
+
+def _dynamic_rank(rank, world):
+    cache = dsa_dcp.allocate_kv_cache(S, DC + DR, dcp_size=world)
+    step = torch.compile(step_with_packets, backend="dsa_dcp", options={"dcp_size": world, "lowering": "fx"})
+    outs = [step(*_inputs(6 + rows, rows)[:2], cache, *_inputs(6 + rows, rows)[2:]) for rows in (3, 5, 7)]
+    return outs
+
+
+def test_batch_sizes_compile_with_symbolic_shapes():
+    """The default ``dynamic`` makes the batch symbolic after the first recompile; every pass copes."""
+    refs, cache = [], torch.zeros(S, DC + DR)
+    for rows in (3, 5, 7):
+        refs.append(step_with_packets(*_inputs(6 + rows, rows)[:2], cache, *_inputs(6 + rows, rows)[2:]))
+    for outs in run_on_ranks(_dynamic_rank, 2, timeout=240):
+        for out, ref in zip(outs, refs):
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def step_at(q_nope, q_pe, cache, topk, slots, rows, start: int):
+    OPS.kv_store.default(cache, slots, rows)
+    out, _ = OPS.sparse_mla.default(q_nope, q_pe, cache, topk, 0.3)
+    return out * start
+
+
+def test_a_step_recompiled_for_every_int_position_is_named():
+    torch._dynamo.reset()
+    cache = dsa_dcp.allocate_kv_cache(S, DC + DR, dcp_size=2)
+    with fake_group(2):
+        step = torch.compile(step_at, backend="dsa_dcp", dynamic=False, fullgraph=True,
+                             options={"dcp_size": 2, "merge": "ag", "lowering": "fx"})
+        args = list(_inputs(7))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DCPCompileWarning)
+            step(*args[:2], cache, *args[2:], start=3)
+        with pytest.warns(DCPCompileWarning, match="specialized the step on a Python value, such as a position "
+                                                   "passed as an int") as caught:
+            step(*args[:2], cache, *args[2:], start=4)
+    assert "step_at" in str(caught[0].message) and "Pass positions as tensors" in str(caught[0].message)
