@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._logging import trace_structured
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dsa_dcp import registry
 from dsa_dcp.config import DCPOptions, OptionsError
@@ -63,9 +64,17 @@ def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
     return CompileContext(options=options, rank=rank, group_name=group.group_name), problems
 
 
-# (code object compiled -> input signatures it was compiled for): a DCP step recompiled for inputs
-# of the same shapes was specialized on a Python value, which dynamo recompiles for every new value
-_compiled_signatures: dict[Any, list[tuple]] = {}
+# The input signatures each frame was compiled for, by module instance (weakly) or function code:
+# a DCP step recompiled for inputs of the same shapes was specialized on a Python value, which
+# dynamo recompiles for every new value. A new instance of a module is a new frame to dynamo.
+_signatures_by_module: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_signatures_by_code: dict[Any, list[tuple]] = {}
+
+
+def forget_compile_history() -> None:
+    """Forget which frames were compiled (``torch.compiler.reset()`` does this too)."""
+    _signatures_by_module.clear()
+    _signatures_by_code.clear()
 
 
 def _input_signature(example_inputs: Sequence[Any]) -> tuple:
@@ -75,10 +84,11 @@ def _input_signature(example_inputs: Sequence[Any]) -> tuple:
 
 def _recompile_note(example_inputs: Sequence[Any], opts: DCPOptions) -> str | None:
     """A warning when this frame was compiled before for inputs of the same shapes (see above)."""
-    _, code = registry.traced_frame()
+    module, code = registry.traced_frame()
     if code is None or opts.dcp_size == 1:
         return None
-    seen = _compiled_signatures.setdefault(code, [])
+    by_code = _signatures_by_module.setdefault(module, {}) if module is not None else _signatures_by_code
+    seen = by_code.setdefault(code, [])
     signature = _input_signature(example_inputs)
     repeated = signature in seen
     seen.append(signature)

@@ -25,8 +25,10 @@ class DCPOptions:
                   group's (inspection compiles for rank 0 of a fake group).
     merge:        how partial attention results are merged: one of ``MERGE_MODES``.
     interleave:   consecutive slots kept together on one rank (slot ``s`` lives on ``(s // I) % N``).
-    lowering:     ``"fx"`` runs the rewritten FX graph as Python code; ``"inductor"`` hands it to
-                  Inductor (AOT autograd + codegen) with the custom ops as fallback kernels.
+    lowering:     ``"inductor"`` (default) hands the rewritten graph to Inductor (AOT autograd +
+                  codegen: everything stock torch.compile gives the model, the custom ops as
+                  fallback kernels); ``"fx"`` runs it as Python code (for debugging, and what
+                  ``debug_checks`` needs).
     share_remaps: layers that read the same top-k share one ``topk_remap`` (the ``share_remaps``
                   pass); ``False`` keeps one remap per attention layer.
     cuda_graphs:  replay the step from CUDA graphs: ``None`` = when the step runs on CUDA; ``True``
@@ -44,7 +46,7 @@ class DCPOptions:
     rank: int | None = None
     merge: str = "a2a"
     interleave: int = 1
-    lowering: str = "fx"
+    lowering: str = "inductor"
     share_remaps: bool = True
     cuda_graphs: bool | None = None
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)

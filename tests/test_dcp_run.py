@@ -5,7 +5,8 @@ from dsa_dcp.launch import run_on_ranks
 
 
 def _rank(rank, world):
-    return list(check_correctness(rank, world, RunSpec(device="cpu", merges=("ag_rs", "fused_a2a"), steps=4, tiny_only=True)))
+    return list(check_correctness(rank, world, RunSpec(device="cpu", merges=("ag_rs", "fused_a2a"), steps=4, tiny_only=True,
+                                                       lowering="fx")))
 
 
 def test_run_script_correctness_part_on_cpu_ranks():
@@ -19,11 +20,12 @@ def test_run_script_correctness_part_on_cpu_ranks():
 
 
 def test_step_kernel_time_is_split_by_what_dcp_adds():
-    from dsa_dcp.bench.dcp_run import kernel_us_by_kind
+    from dsa_dcp.bench.kinds import kernel_us_by_kind
 
     kernels = [("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 30.0), ("_topk_remap_kernel", 6.0),
                ("_lse_combine_kernel", 3.0), ("_sparse_mla_kernel", 60.0), ("_fused_a2a_merge_kernel", 9.0),
-               ("ampere_bf16_s16816gemm", 90.0), ("triton_poi_fused_add_0", 6.0)]
+               ("ampere_bf16_s16816gemm", 90.0), ("triton_poi_fused_add_0", 6.0),
+               ("void at::native::sbtopk::gatherTopK<float>", 12.0), ("radixSortKVInPlace", 3.0)]
     got = kernel_us_by_kind(kernels, runs=3)
     assert got == {"nccl_us": 10.0, "fused_merge_us": 3.0, "remap_us": 2.0, "combine_us": 1.0, "attention_us": 20.0,
-                   "other_us": 32.0, "kernels_us": 68.0}
+                   "indexer_us": 5.0, "other_us": 32.0, "kernels_us": 73.0}

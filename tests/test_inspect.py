@@ -326,8 +326,10 @@ def test_inspect_finds_each_compiled_model_after_a_real_run():
     with fake_group(2):
         model_a, inputs = make_toy(dcp_size=2)
         model_b = ToyModel(dcp_size=2, interleave=2)
-        a = torch.compile(model_a, backend="dsa_dcp", options={"dcp_size": 2, "merge": "ag"}, fullgraph=True)
-        b = torch.compile(model_b, backend="dsa_dcp", options={"dcp_size": 2, "merge": "ag", "interleave": 2},
+        a = torch.compile(model_a, backend="dsa_dcp", options={"dcp_size": 2, "merge": "ag", "lowering": "fx"},
+                          fullgraph=True)
+        b = torch.compile(model_b, backend="dsa_dcp",
+                          options={"dcp_size": 2, "merge": "ag", "interleave": 2, "lowering": "fx"},
                           fullgraph=True)
         with pytest.raises(LookupError, match="call it once"):
             dsa_dcp.inspect(a)
@@ -349,7 +351,7 @@ def test_inspect_a_compiled_function():
         out, _ = toy_sparse_attention(q_nope, q_pe, kv, topk, 0.1)
         return out
 
-    compiled = torch.compile(layer, backend="dsa_dcp", fullgraph=True)
+    compiled = torch.compile(layer, backend="dsa_dcp", options={"lowering": "fx"}, fullgraph=True)
     compiled(torch.randn(2, 4, 16), torch.randn(2, 4, 8), torch.randn(32, 24), torch.tensor([[3, 7], [-1, 1]]))
     insp = dsa_dcp.inspect(compiled)
     assert insp.report.options.dcp_size == 1 and insp.report.passes == []
@@ -381,7 +383,7 @@ def test_registry_falls_back_to_parameters_without_dynamos_frame(monkeypatch):
     monkeypatch.setattr(registry, "traced_frame", lambda: (None, None))
     torch._dynamo.reset()
     model, inputs = make_toy()
-    compiled = torch.compile(model, backend="dsa_dcp", fullgraph=True)
+    compiled = torch.compile(model, backend="dsa_dcp", options={"lowering": "fx"}, fullgraph=True)
     compiled(*inputs)
     assert dsa_dcp.inspect(compiled).summary()["sparse_attention_nodes"] == 3
     with pytest.raises(LookupError):

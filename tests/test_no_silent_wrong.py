@@ -132,7 +132,7 @@ def test_a_cache_allocated_for_a_group_is_refused_without_options():
 def test_a_dcp_compilation_that_rewrites_nothing_says_so():
     torch._dynamo.reset()
     with fake_group(2):
-        f = torch.compile(lambda x: x * 2, backend="dsa_dcp", options={"dcp_size": 2}, fullgraph=True)
+        f = torch.compile(lambda x: x * 2, backend="dsa_dcp", options={"dcp_size": 2, "lowering": "fx"}, fullgraph=True)
         with pytest.warns(DCPCompileWarning, match="has no sparse attention node and touches no KV cache"):
             f(torch.ones(3))
 

@@ -32,7 +32,7 @@ def _compile_stats(fn, *args, world=2, merge="ag", **options):
     """Compile ``fn`` for rank 0 of ``world``, run it once; the report's summary and share_remaps stats."""
     torch._dynamo.reset()
     with fake_group(world), torch.no_grad():
-        options = {"dcp_size": world, "merge": merge, **options}
+        options = {"dcp_size": world, "merge": merge, "lowering": "fx", **options}
         torch.compile(fn, backend="dsa_dcp", options=options, fullgraph=True)(*args)
     report = dsa_dcp.backend_report()
     return report.summary, report.stats().get("share_remaps")
@@ -311,7 +311,7 @@ def _on_off_rank(rank, world):
     for share in (True, False):
         torch._dynamo.reset()
         model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=11)
-        options = {"dcp_size": world, "share_remaps": share}
+        options = {"dcp_size": world, "share_remaps": share, "lowering": "fx"}
         step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True)
         with torch.no_grad():
             out = generate(step, batch, STEPS, pad_to=ROWS)
@@ -326,7 +326,7 @@ def _on_off_rank(rank, world):
     for cache, kv in zip(caches, global_kv):
         cache[local_row(slots[mine], world, 1)] = kv[mine]
     torch._dynamo.reset()
-    fn = torch.compile(edited_in_place(EDITS["setitem"]), backend="dsa_dcp", options={"dcp_size": world, "merge": "ag"},
+    fn = torch.compile(edited_in_place(EDITS["setitem"]), backend="dsa_dcp", options={"dcp_size": world, "merge": "ag", "lowering": "fx"},
                        fullgraph=True)
     results["edited"] = fn(q, q_pe, *caches, topk.clone())
     results["edited_ref"] = edited_in_place(EDITS["setitem"])(q, q_pe, *global_kv, topk.clone())

@@ -75,7 +75,8 @@ def test_rule_heads(fake_group):
 def test_rule_epilogue_falls_back_to_ag_with_a_warning(fake_group):
     """A layer whose epilogue a head-sharded merge cannot shard merges with ag, and says so once."""
     torch._dynamo.reset()
-    compiled = torch.compile(step, backend="dsa_dcp", options={"dcp_size": 2, "merge": "a2a"}, fullgraph=True)
+    compiled = torch.compile(step, backend="dsa_dcp", options={"dcp_size": 2, "merge": "a2a", "lowering": "fx"},
+                             fullgraph=True)
     with pytest.warns(DCPCompileWarning) as caught:
         compiled(*_inputs(_local_cache()))
     (w,) = [w for w in caught if issubclass(w.category, DCPCompileWarning)]
@@ -143,7 +144,7 @@ def _multi_host_rank(rank, world, allow):
     torch._dynamo.reset()
     cache = _local_cache()
     compiled = torch.compile(step, backend="dsa_dcp", fullgraph=True,
-                             options={"dcp_size": world, "merge": "ag", "allow_multi_host": allow})
+                             options={"dcp_size": world, "merge": "ag", "allow_multi_host": allow, "lowering": "fx"})
     try:
         compiled(*_inputs(cache))
     except Exception as e:  # noqa: BLE001

@@ -47,6 +47,7 @@ class RunSpec:
     steps: int = 8
     context: int = 4096
     tiny_only: bool = False
+    lowering: str | None = None  # None: the backend's default (Inductor)
 
 
 _T0 = time.monotonic()
@@ -88,23 +89,6 @@ def _median_call_us(fn, groups: int = 7, calls_per_group: int = _CALLS_PER_GROUP
     return statistics.median(times)
 
 
-# Kernel names (substrings) by kind: the collectives and kernels DCP adds, and sparse attention
-# (smaller per rank under DCP); the rest (``other``) is the model's own work and DCP's torch ops.
-_KERNEL_KINDS = (("nccl", ("nccl",)), ("fused_merge", ("fused_a2a_merge",)), ("remap", ("topk_remap",)),
-                 ("combine", ("lse_combine",)), ("attention", ("sparse_mla",)))
-
-
-def kernel_us_by_kind(kernels: list[tuple[str, float]], runs: int) -> dict[str, float]:
-    """Device time per step (us) of ``kernels`` (``(name, us)`` over ``runs`` steps), summed by
-    kind (``_KERNEL_KINDS``, else ``other``), with the total."""
-    out = {f"{kind}_us": 0.0 for kind, _ in _KERNEL_KINDS} | {"other_us": 0.0}
-    for name, us in kernels:
-        kind = next((k for k, keys in _KERNEL_KINDS if any(key in name for key in keys)), "other")
-        out[f"{kind}_us"] += us / runs
-    out["kernels_us"] = sum(us for _, us in kernels) / runs
-    return out
-
-
 def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     from dsa_dcp.kernels import fused_merge
     from dsa_dcp.models import DSAModel, generate, get_config, make_requests, standard_test_batch
@@ -134,7 +118,8 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                 torch._dynamo.reset()
                 model = DSAModel(cfg, batch.num_slots, dcp_size=world, device=spec.device, seed=5)
                 step = torch.compile(model, backend="dsa_dcp", fullgraph=True, dynamic=False,
-                                     options={"dcp_size": world, "merge": merge, "cuda_graphs": False})
+                                     options={"dcp_size": world, "merge": merge, "cuda_graphs": False,
+                                              **({"lowering": spec.lowering} if spec.lowering else {})})
                 out = generate(step, batch, spec.steps, pad_to=pad, device=spec.device)
                 row = {
                     "model": label, "merge": merge, "N": world,
@@ -150,7 +135,7 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
 
 
 def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
-    from dsa_dcp.backend import last_report
+    from dsa_dcp.report import last_report
     from dsa_dcp.models.runner import decode_step_inputs
     from dsa_dcp.models import DSAModel, get_config
 
@@ -160,20 +145,27 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     _release_compiled()  # what an earlier part compiled
     for batch in spec.batches:
         inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, spec.device)
-        for merge in ("single",) + spec.merges:
-            n = 1 if merge == "single" else world
+        for merge in ("stock", "single") + spec.merges:
+            n = 1 if merge in ("stock", "single") else world
             _progress(f"step latency: batch {batch}, {merge}")
             model = DSAModel(cfg, num_slots, dcp_size=n, dtype=torch.bfloat16, device=spec.device, seed=0)
             with torch.no_grad():
                 for cache in model.kv_caches() + list(model.index_caches().values()):
                     cache.normal_()
-                options = {"batch_sizes": [batch]} if n == 1 else {"dcp_size": n, "merge": merge, "batch_sizes": [batch]}
-                step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
+                if merge == "stock":  # stock torch.compile on one GPU: what a user runs without DCP
+                    step = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+                else:
+                    options = {"batch_sizes": [batch]} if n == 1 else \
+                        {"dcp_size": n, "merge": merge, "batch_sizes": [batch]}
+                    step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
                 step(*inputs)
                 us = _median_call_us(lambda: step(*inputs))
-                row = {"batch": batch, "merge": "dcp1" if n == 1 else merge, "N": n, "layers": spec.layers,
-                       "step_us": us}
-                row |= _kernel_split(last_report().lowered, host_barrier)
+                row = {"batch": batch, "merge": {"stock": "stock dcp1", "single": "dcp1"}.get(merge, merge), "N": n,
+                       "layers": spec.layers, "step_us": us}
+                if merge == "stock":
+                    row |= _stock_kernel_split(model, inputs, host_barrier)
+                else:
+                    row |= _kernel_split(last_report().lowered, host_barrier)
             step = model = None
             _release_compiled()
             yield row
@@ -188,6 +180,7 @@ def _kernel_split(lowered, host_barrier, runs: int = 3) -> dict:
     inside graph replays; there a collective's time also holds the wait for the other ranks'
     host launches (``profiled`` says which).
     """
+    from dsa_dcp.bench.kinds import kernel_us_by_kind
     from dsa_dcp.lowering.cuda_graphs import device_kernels
 
     (captured,) = lowered.graphs.values()
@@ -202,6 +195,18 @@ def _kernel_split(lowered, host_barrier, runs: int = 3) -> dict:
         host_barrier()
         kernels, profiled = device_kernels(lowered.fn, captured.inputs, runs=runs), "eager"
     return kernel_us_by_kind(kernels, runs=runs) | {"profiled": profiled}
+
+
+def _stock_kernel_split(model, inputs, host_barrier, runs: int = 3) -> dict:
+    """The stock step's device time by kind: its Inductor code without graph trees, run eagerly
+    (the kernels its graph replays)."""
+    from dsa_dcp.bench.kinds import kernel_us_by_kind
+    from dsa_dcp.lowering.cuda_graphs import device_kernels
+
+    plain = torch.compile(model, fullgraph=True, dynamic=False)
+    plain(*inputs)
+    host_barrier()
+    return kernel_us_by_kind(device_kernels(plain, inputs, runs=runs), runs=runs) | {"profiled": "eager"}
 
 
 def _release_compiled() -> None:
@@ -284,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=list(RunSpec.batches))
     p.add_argument("--steps", type=int, default=RunSpec.steps, help="tokens each request generates (correctness)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--lowering", choices=["inductor", "fx"], help="correctness part (default: the backend's)")
     p.add_argument("--json")
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
     args = p.parse_args(argv)
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     # A collective that waits this long fails the run instead of hanging it.
     rank, world = init_from_env("nccl" if args.device == "cuda" else "gloo", timeout=args.collective_timeout)
     spec = RunSpec(device=args.device, merges=tuple(args.merges), layers=args.layers, batches=tuple(args.batches),
-                   steps=args.steps, tiny_only=args.device == "cpu")
+                   steps=args.steps, tiny_only=args.device == "cpu", lowering=args.lowering)
     if args.device == "cuda":
         spec = dataclasses.replace(spec, device=f"cuda:{torch.cuda.current_device()}")
     written = {}

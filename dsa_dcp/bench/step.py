@@ -1,4 +1,4 @@
-"""``dsa-dcp bench step``: decode-step latency, eager vs compiled vs compiled + CUDA graphs.
+"""``dsa-dcp bench step``: one decode step, ``dsa_dcp`` against what a user would otherwise run.
 
 The model has the real GLM-5 attention dimensions (64 heads, q_lora 2048, Dc 512, Dr 64,
 nope 192, v 256, indexer 32 x 128, top-k 2048) and a configurable number of layers; the MLP and
@@ -6,9 +6,19 @@ the vocabulary are shrunk (``--intermediate``, ``--vocab``) because they are not
 changes. Every row is one decoding request with ``--context`` tokens already cached (the caches
 are filled with random values rather than prefilled). ``dcp_size = 1`` on one GPU.
 
-Times are medians of ``triton.testing.do_bench`` (CUDA events, warm) in microseconds; kernels per
-step are counted with the profiler over one eager step and, for the graph, over the captured
-step.
+Columns, all in one process on the same model and inputs, CUDA graphs where named:
+
+- ``eager``: the model as written;
+- ``stock``: ``torch.compile(model, mode="reduce-overhead")`` — stock Inductor with its CUDA graph
+  trees, what a user runs without this project;
+- ``dsa_dcp``: ``torch.compile(model, backend="dsa_dcp")`` with its defaults (Inductor, CUDA graphs);
+- ``dsa_dcp fx``: the same with ``lowering="fx"`` (the rewritten graph as Python, in CUDA graphs);
+- the HBM floor: the weights, the top-k KV rows of every layer and the index keys of every
+  indexer layer read once at the H200's measured copy bandwidth.
+
+Times are medians of ``triton.testing.do_bench`` (CUDA events, warm) in microseconds. Kernels per
+step are counted with the profiler over one step run eagerly (what its graph replays), and the
+``dsa_dcp`` step's device time is split by kind of kernel (``bench/kinds.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +31,8 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class StepBenchSpec:
-    layers: int = 8
-    batches: tuple[int, ...] = (1, 8, 32, 64)
+    layers: int = 4
+    batches: tuple[int, ...] = (1, 8, 32)
     context: int = 4096
     intermediate: int = 2048
     vocab: int = 32768
@@ -31,13 +41,25 @@ class StepBenchSpec:
     rep_ms: int = 500
 
 
+def hbm_floor_us(model: torch.nn.Module, cfg, batch: int, context: int) -> float:
+    """Bytes a decode step must read at least (weights, top-k KV rows, index keys), at copy bandwidth."""
+    from dsa_dcp.bench.kinds import H200_COPY_BYTES_PER_S
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    elem = next(model.parameters()).element_size()
+    kv = batch * cfg.n_layers * min(cfg.index_topk, context + 1) * cfg.kv_dim * elem
+    keys = batch * len(cfg.indexer_layers) * (context + 1) * cfg.index_head_dim * elem
+    return (weights + kv + keys) / H200_COPY_BYTES_PER_S * 1e6
+
+
 def run_step_bench(spec: StepBenchSpec) -> list[dict]:
     import triton
 
-    from dsa_dcp.backend import last_report
-    from dsa_dcp.lowering.cuda_graphs import count_kernels
+    from dsa_dcp.bench.kinds import kernel_us_by_kind
+    from dsa_dcp.lowering.cuda_graphs import count_kernels, device_kernels
     from dsa_dcp.models import DSAModel, get_config
     from dsa_dcp.models.runner import decode_step_inputs
+    from dsa_dcp.report import last_report
 
     device = torch.device("cuda")
     dtype = getattr(torch, spec.dtype)
@@ -50,27 +72,45 @@ def run_step_bench(spec: StepBenchSpec) -> list[dict]:
         with torch.no_grad():
             for cache in model.kv_caches() + list(model.index_caches().values()):
                 cache.normal_()
-        row = {"batch": batch, "layers": spec.layers, "context": spec.context}
+        row = {"batch": batch, "layers": spec.layers, "context": spec.context,
+               "hbm_floor_us": hbm_floor_us(model, cfg, batch, spec.context)}
+
+        def timed(fn):
+            return 1e3 * triton.testing.do_bench(lambda: fn(*inputs), warmup=spec.warmup_ms, rep=spec.rep_ms,
+                                                 return_mode="median")
+
         with torch.no_grad():
+            reference = model(*inputs)
             variants = {
                 "eager": model,
-                "compiled": torch.compile(model, backend="dsa_dcp", options={"cuda_graphs": False},
-                                          fullgraph=True, dynamic=False),
-                "graph": torch.compile(model, backend="dsa_dcp", options={"batch_sizes": [batch]},
-                                       fullgraph=True, dynamic=False),
+                "stock": torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False),
+                "dsa_dcp": torch.compile(model, backend="dsa_dcp", options={"batch_sizes": [batch]},
+                                         fullgraph=True, dynamic=False),
             }
-            reference = model(*inputs)
             for name, fn in variants.items():
                 out = fn(*inputs)
                 torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
-                row[f"{name}_us"] = 1e3 * triton.testing.do_bench(lambda: fn(*inputs), warmup=spec.warmup_ms,
-                                                                  rep=spec.rep_ms, return_mode="median")
-                if name == "graph":
-                    row["graph_kernels"] = next(iter(last_report().kernels_per_step().values()))
+                row[f"{name}_us"] = timed(fn)
+                if name == "dsa_dcp":
+                    lowered = last_report().lowered
+                    row["dsa_dcp_kernels"] = next(iter(last_report().kernels_per_step().values()))
+                    (captured,) = lowered.graphs.values()
+                    kernels = device_kernels(captured.graph.replay, (), runs=3)
+                    if not kernels:  # no kernel records inside graph replays: the same step, eagerly
+                        kernels = device_kernels(lowered.fn, captured.inputs, runs=3)
+                    row |= {f"dsa_dcp_{k}": v for k, v in kernel_us_by_kind(kernels, runs=3).items()}
+            torch._dynamo.reset()
+            stock_plain = torch.compile(model, fullgraph=True, dynamic=False)  # its kernels, without graph trees
+            stock_plain(*inputs)
+            row["stock_kernels"] = count_kernels(stock_plain, inputs)
             row["eager_kernels"] = count_kernels(model, inputs)
-        row["eager_over_graph"] = row["eager_us"] / row["graph_us"]
+            fx = torch.compile(model, backend="dsa_dcp", options={"batch_sizes": [batch], "lowering": "fx"},
+                               fullgraph=True, dynamic=False)
+            torch.testing.assert_close(fx(*inputs), reference, rtol=2e-2, atol=2e-2)
+            row["dsa_dcp_fx_us"] = timed(fx)
+        row["dsa_dcp_over_stock"] = row["dsa_dcp_us"] / row["stock_us"]
         rows.append(row)
-        del variants, model
+        del variants, model, stock_plain, fx
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     return rows
@@ -78,13 +118,17 @@ def run_step_bench(spec: StepBenchSpec) -> list[dict]:
 
 def format_step_table(rows: list[dict]) -> str:
     lines = [
-        "| batch | layers | eager us | compiled us | compiled + CUDA graph us | eager / graph | kernels per step (eager) | kernels per step (graph) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | layers | context | eager us | stock reduce-overhead us | dsa_dcp us | dsa_dcp / stock | "
+        "dsa_dcp fx us | HBM floor us | kernels (stock / dsa_dcp) | dsa_dcp device us: attention / indexer / other |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['batch']} | {r['layers']} | {r['eager_us']:.1f} | {r['compiled_us']:.1f} | {r['graph_us']:.1f} | "
-            f"{r['eager_over_graph']:.1f}x | {r['eager_kernels']} | {r['graph_kernels']} |"
+            f"| {r['batch']} | {r['layers']} | {r['context']} | {r['eager_us']:,.0f} | {r['stock_us']:,.0f} | "
+            f"{r['dsa_dcp_us']:,.0f} | {r['dsa_dcp_over_stock']:.2f}x | {r['dsa_dcp_fx_us']:,.0f} | "
+            f"{r['hbm_floor_us']:,.0f} | {r['stock_kernels']} / {r['dsa_dcp_kernels']} | "
+            f"{r.get('dsa_dcp_attention_us', 0):,.0f} / {r.get('dsa_dcp_indexer_us', 0):,.0f} / "
+            f"{r.get('dsa_dcp_other_us', 0):,.0f} |"
         )
     return "\n".join(lines)
 

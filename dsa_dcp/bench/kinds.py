@@ -1,0 +1,32 @@
+"""Kernel names by kind, for splitting a step's device time (``bench step``, ``dcp_run``).
+
+Substrings of CUDA kernel names: the collectives and kernels DCP adds, sparse attention, and the
+lightning indexer (our kernels, and the ones torch's composition launches: ``torch.topk``'s
+radix select and sort); the rest (``other``) is the model's own work and DCP's torch ops.
+"""
+
+from __future__ import annotations
+
+KERNEL_KINDS = (
+    ("nccl", ("nccl",)),
+    ("fused_merge", ("fused_a2a_merge",)),
+    ("remap", ("topk_remap",)),
+    ("combine", ("lse_combine",)),
+    ("attention", ("sparse_mla",)),
+    ("indexer", ("index_scores", "topk_select", "gatherTopK", "radixSort", "radixFindKthValues",
+                 "computeBlockwiseWithinKCounts", "computeBlockwiseKthCounts", "gatherTopK")),
+)
+
+# Copy bandwidth measured on the H200 (device-to-device, bytes read + written): the HBM floor.
+H200_COPY_BYTES_PER_S = 4.27e12
+
+
+def kernel_us_by_kind(kernels: list[tuple[str, float]], runs: int) -> dict[str, float]:
+    """Device time per step (us) of ``kernels`` (``(name, us)`` over ``runs`` steps), summed by
+    kind (``KERNEL_KINDS``, else ``other``), with the total."""
+    out = {f"{kind}_us": 0.0 for kind, _ in KERNEL_KINDS} | {"other_us": 0.0}
+    for name, us in kernels:
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
+        out[f"{kind}_us"] += us / runs
+    out["kernels_us"] = sum(us for _, us in kernels) / runs
+    return out
