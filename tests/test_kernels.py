@@ -324,8 +324,9 @@ def _non_finite_mla(dtype):
     """One row for each non-finite case of the contract (B = 7, H = 4, K = 40, S = 80, Dc = 16,
     Dr = 8): 0 no slot (NaN query), 1 a NaN in one head's query, 2 a NaN in a named KV row,
     3 +inf in a named row's rope part, 4 -inf in a named row's latent (value) part, 5 only that
-    row named, 6 the rows of 2 and 3 (NaN beside +inf). Heads alternate the sign of the query column the infinity meets, so each infinite
-    row scores +inf on heads 0 and 2 and -inf on heads 1 and 3. Every KV row no top-k names is NaN."""
+    row named, 6 the rows of 2 and 3 (NaN beside +inf). Heads alternate the sign of the query
+    column the infinity meets, so each infinite row scores +inf on heads 0 and 2 and -inf on heads
+    1 and 3. Every KV row no top-k names is NaN."""
     B, H, K, S, Dc, Dr = 7, 4, 40, 80, 16, 8
     nan, inf = float("nan"), float("inf")
     gen = _gen("mla-nan", dtype)

@@ -159,9 +159,9 @@ def test_nan_in_a_named_kv_row_shows_in_the_same_rows_under_every_merge():
             got = res[mode]
             assert len(got) == len(ref.step_logits), (mode, rank)
             for i, (a, b) in enumerate(zip(got, ref.step_logits)):
+                rows = [x.isnan().any(1).nonzero().flatten().tolist() for x in (a, b)]
                 same = torch.equal(a.isnan(), b.isnan())
-                assert same, f"{mode}, rank {rank}, step {i}: NaN in rows {a.isnan().any(1).nonzero().flatten().tolist()}, " \
-                             f"single rank in rows {b.isnan().any(1).nonzero().flatten().tolist()}"
+                assert same, f"{mode}, rank {rank}, step {i}: NaN in rows {rows[0]}, single rank in rows {rows[1]}"
                 finite = ~b.isnan().any(dim=1)
                 assert finite.any()
                 rel = ((a[finite] - b[finite]).norm() / b[finite].norm()).item()

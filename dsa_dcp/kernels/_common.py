@@ -88,5 +88,6 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def max_keep_nan(a, b):
     """``max`` that keeps NaN, for reductions of scores and LSEs (``tl.max``/``tl.maximum`` return
     the other operand): a NaN makes the max NaN, so a NaN still wins over a ``+inf`` beside it.
-    The same one instruction on the GPU (``max.NaN.f32``)."""
+    Used as ``tl.reduce(x, axis, max_keep_nan)``: the reduction ``tl.max`` does, with only the
+    NaN behaviour of its max changed."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)

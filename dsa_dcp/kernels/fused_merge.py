@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsa_dcp.kernels._common import check_launchable, max_keep_nan, next_pow2
+from dsa_dcp.kernels._common import check_launchable, next_pow2
 from dsa_dcp.kernels.lse_combine import lse_combine_reference
 
 MAX_PROGRAMS = 64
@@ -130,7 +130,8 @@ def _fused_a2a_merge_kernel(
             m = -float("inf")
             for src in tl.static_range(N):
                 row = ((slot * N + src) * B_MAX + b) * G + g
-                m = max_keep_nan(m, tl.load(my_lse_ptr + row, cache_modifier=".cg"))
+                # the max keeps NaN, so a NaN LSE wins over a +inf one
+                m = tl.maximum(m, tl.load(my_lse_ptr + row, cache_modifier=".cg"), propagate_nan=tl.PropagateNan.ALL)
             m_safe = tl.where(m == -float("inf"), 0.0, m)
             total = 0.0
             acc = tl.zeros([BLOCK_D], dtype=tl.float32)

@@ -67,7 +67,8 @@ def lse_combine_reference(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.T
     res_lse = torch.logsumexp(lse32, dim=0)  # NaN beats +inf beats finite; all -inf gives -inf
     weight = torch.exp(lse32 - res_lse)  # NaN where lse_r and lse are both +inf (or both -inf)
     empty = (lse32 == float("-inf"))[..., None]
-    contrib = torch.where(empty, torch.zeros((), dtype=torch.float32, device=out.device), weight[..., None] * out.float())
+    zero = torch.zeros((), dtype=torch.float32, device=out.device)
+    contrib = torch.where(empty, zero, weight[..., None] * out.float())
     return contrib.sum(dim=0).to(out.dtype), res_lse
 
 

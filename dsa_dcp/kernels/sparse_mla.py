@@ -233,7 +233,7 @@ def _sparse_mla_kernel(
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    seen = tl.zeros([BLOCK_K], dtype=tl.int1)  # lanes that held a valid key (tells -inf scores from none)
+    seen = tl.zeros([BLOCK_K], dtype=tl.int32)  # lanes that held a valid key (tells -inf scores from none)
     if KEY_MAJOR:
         # keys as the rows of every product: scores^T = K q^T ([BLOCK_K, BLOCK_H]) and
         # acc^T = V^T p^T ([BLOCK_DV, BLOCK_H]), so the MMA's wide dimension is the key tile or
@@ -247,7 +247,7 @@ def _sparse_mla_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(topk_ptr + b * stride_topk + offs_k, mask=offs_k < k_end, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < S)
-        seen = seen | valid
+        seen = seen | valid.to(tl.int32)
         kv_row = kv_ptr + tl.where(valid, idx, 0) * stride_kv
         kc = tl.load(kv_row[:, None] + own[None, :], mask=valid[:, None] & in_own[None, :], other=0.0)
         kr = tl.load(kv_row[:, None] + DC + offs_dr[None, :], mask=valid[:, None] & in_dr[None, :], other=0.0)
@@ -287,7 +287,7 @@ def _sparse_mla_kernel(
     zero = l_i == 0.0
     denom = tl.where(zero, 1.0, l_i)
     # every valid key scored -inf: the dense softmax is 0/0 = NaN; with no valid key the row is empty (out = 0)
-    nan_out = zero & (tl.max(seen.to(tl.int32), axis=0) > 0)
+    nan_out = zero & (tl.max(seen, axis=0) > 0)
     scale_h = tl.where(nan_out, float("nan"), out_scale / denom)
     # out is [splits, B, H, DC] and lse [splits, B, H]: the layout lse_combine merges
     out_row = (split.to(tl.int64) * B + b) * H + offs_h
