@@ -4,11 +4,18 @@ The decorated function must meet the ``sparse_mla`` contract (see ``dsa_dcp.ops`
 
     fn(q_nope[B, H, Dc], q_pe[B, H, Dr], kv[S, Dc + Dr], topk[B, K], sm_scale: float) -> (out[B, H, Dc], lse[B, H])
 
-It may return its LSE in base 2 (``lse_base="2"``) and mark empty rows with ``+inf`` or NaN LSE
-(``empty_lse=...``); the op wrapping it normalizes to natural-log LSE and ``(0, -inf)`` empty
-rows. The function becomes a ``torch.library`` custom op listed in ``SPARSE_ATTENTION_OPS``, so
-the DCP passes rewrite it exactly like the built-in op: on a rank, it is called with that rank's
-local KV cache and remapped top-k, so it must skip ``-1`` entries (which the contract requires).
+It may return its LSE in base 2 (``lse_base="2"``) and leave ``+inf`` or NaN in the LSE of rows
+with no valid slot (``empty_lse=...``); the op wrapping it normalizes to natural-log LSE and
+``(0, -inf)`` empty rows (``dsa_dcp.ops.normalize_attention_result``). Empty rows are the rows
+whose top-k has no valid slot, and rows whose LSE is ``-inf``; the declared mark is never looked
+for elsewhere. On a row that has a valid slot, a NaN or ``+inf`` LSE is a result (a NaN or an
+infinity in the query or the KV rows it read) and stays as it is: were it taken for "empty", a DCP
+merge would drop that rank's shard and give a finite answer where the single-rank model gives
+NaN. So a NaN mark and a NaN from corrupt KV can never be confused.
+
+The function becomes a ``torch.library`` custom op listed in ``SPARSE_ATTENTION_OPS``, so the DCP
+passes rewrite it exactly like the built-in op: on a rank, it is called with that rank's local KV
+cache and remapped top-k, so it must skip ``-1`` entries (which the contract requires).
 
 The contract is checked while dynamo traces the model: the fake implementation runs the function
 on the fake inputs and raises ``SparseAttentionContractError`` for a wrong output structure,

@@ -53,17 +53,19 @@ def rescale_for_reduce_scatter(out: Tensor, lse: Tensor, lse_all: Tensor, dcp_si
     """``ag_rs``: weight this rank's ``out[B, H, D]`` by ``exp(lse - lse_global)``, laid out for a
     reduce-scatter over head groups (``[N, B, H/N, D]``, float32), plus the global LSE ``[B, H]``.
 
-    ``lse_all[N, B, H]`` is every rank's LSE. Empty shards (non-finite LSE) get weight 0; a row
-    empty everywhere has global LSE ``-inf`` and output 0.
+    ``lse_all[N, B, H]`` is every rank's LSE. The ``lse_combine`` rule: only ``lse = -inf`` is an
+    empty shard (its ``out`` is selected away). A NaN LSE makes the global LSE and every non-empty
+    rank's weight NaN; a ``+inf`` LSE makes the global LSE ``+inf`` and its own rank's weight NaN
+    (``exp(inf - inf)``); a NaN in a non-empty shard's ``out`` stays NaN whatever its weight.
+    Either way the reduce-scatter's sum is NaN there, as ``lse_combine``'s would be. A row empty
+    everywhere has global LSE ``-inf`` and output 0.
     """
-    lse_all = lse_all.float()
-    finite = torch.isfinite(lse_all)
-    masked = torch.where(finite, lse_all, torch.full_like(lse_all, float("-inf")))
-    lse_global = torch.logsumexp(masked, dim=0)
-    safe_global = torch.where(torch.isfinite(lse_global), lse_global, torch.zeros_like(lse_global))
+    lse_global = torch.logsumexp(lse_all.float(), dim=0)  # NaN beats +inf beats finite; all -inf gives -inf
     mine = lse.float()
-    weight = torch.where(torch.isfinite(mine), torch.exp(mine - safe_global), torch.zeros_like(mine))
-    scaled = out.float() * weight.unsqueeze(-1)
+    weight = torch.exp(mine - lse_global)
+    empty = (mine == float("-inf")).unsqueeze(-1)
+    scaled = torch.where(empty, torch.zeros((), dtype=torch.float32, device=out.device),
+                         out.float() * weight.unsqueeze(-1))
     b, h, d = out.shape
     g = h // dcp_size
     return scaled.reshape(b, dcp_size, g, d).transpose(0, 1).contiguous(), lse_global

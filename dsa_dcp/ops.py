@@ -10,14 +10,18 @@ contracts (single-rank meaning) are written once here and in ``docs/ops.md``:
 ``sparse_mla(q_nope[B, H, Dc], q_pe[B, H, Dr], kv[S, Dc + Dr], topk[B, K], sm_scale) -> (out[B, H, Dc], lse[B, H])``
     Softmax attention of each row over the KV rows named in ``topk`` (negative entries skipped;
     the value is the first ``Dc`` columns). ``lse`` is float32, natural log. A row with no valid
-    slot returns ``out = 0``, ``lse = -inf``.
+    slot returns ``out = 0``, ``lse = -inf``. Any other row is the dense softmax over its named
+    rows, NaN included: a NaN in the query or in a named KV row gives NaN ``out`` and ``lse``,
+    never "empty"; infinities give what torch's softmax and logsumexp give.
 
 ``topk_remap(topk[B, K], dcp_size, rank, interleave) -> (local[B, K] int32, count[B] int32)``
     Keeps the slots ``rank`` owns, as local rows, compacted to the front in order; tail ``-1``.
 
 ``lse_combine(out[N, B, H, D], lse[N, B, H]) -> (out[B, H, D], lse[B, H])``
-    Log-sum-exp merge of ``N`` partial results; shards with ``-inf``/``+inf``/NaN LSE are empty;
-    all-empty gives ``0`` and ``-inf``.
+    Log-sum-exp merge of ``N`` partial results. Only ``lse = -inf`` marks an empty shard (its
+    ``out`` is never read); all-empty gives ``0`` and ``-inf``. A NaN ``lse`` or a NaN in a
+    non-empty shard's ``out`` makes the merged result NaN there; a ``+inf`` ``lse`` gives
+    ``lse = +inf`` and NaN ``out``. So DCP shows the NaN the single-rank model shows.
 
 Every sparse attention op (the built-in ``sparse_mla`` and each function decorated with
 ``@dsa_dcp.sparse_attention``) is listed in ``SPARSE_ATTENTION_OPS``; that table is how the passes
@@ -46,7 +50,9 @@ class SparseAttentionSpec:
     op: torch._ops.OpOverload
     impl: Callable[..., tuple[Tensor, Tensor]]
     lse_base: str  # "e" or "2": the base the implementation returns; the op normalizes to e
-    empty_lse: str  # how the implementation marks empty rows: "-inf", "+inf" or "nan"
+    # what the implementation leaves in the LSE of a row with no valid slot: "-inf", "+inf" or
+    # "nan". Such rows are found from the top-k, never from this value (normalize_attention_result).
+    empty_lse: str
 
 
 SPARSE_ATTENTION_OPS: dict[torch._ops.OpOverload, SparseAttentionSpec] = {}
@@ -232,13 +238,19 @@ def _fused_a2a_merge_fake(out: Tensor, lse: Tensor, dcp_size: int, rank: int, gr
 def normalize_attention_result(out: Tensor, lse: Tensor, topk: Tensor, lse_base: str) -> tuple[Tensor, Tensor]:
     """Bring an implementation's ``(out, lse)`` to the ``sparse_mla`` convention.
 
-    Converts base-2 LSE to natural log and forces every empty row (no valid slot, or an LSE of
-    ``+inf``/NaN as some kernels mark them) to ``out = 0``, ``lse = -inf``. Elementwise: no sync.
+    Converts base-2 LSE to natural log and sets the empty rows to ``out = 0``, ``lse = -inf``. A
+    row is empty when its top-k has no valid slot (whatever the implementation returned there:
+    its declared ``empty_lse`` mark, or anything else) or when its LSE is ``-inf`` (the op's own
+    empty mark). Every other row is kept as it is: a NaN or ``+inf`` LSE on a row that has a
+    valid slot is an attention result (a NaN or an infinity in the query or the KV rows), never
+    an empty mark, so that a DCP merge cannot drop it and give a finite answer where the
+    single-rank model gives NaN. So ``empty_lse="nan"`` or ``"+inf"`` only says what the rows
+    without slots hold; the top-k finds them. Elementwise: no sync.
     """
     lse = lse.float()
     if lse_base == "2":
         lse = lse * LN2
-    empty = ~torch.isfinite(lse) | (topk < 0).all(dim=-1, keepdim=True)
+    empty = (lse == -math.inf) | (topk < 0).all(dim=-1, keepdim=True)
     lse = torch.where(empty, torch.full_like(lse, -math.inf), lse)
     out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
     return out, lse

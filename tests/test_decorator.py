@@ -31,6 +31,27 @@ def base2_attention(q_nope, q_pe, kv, topk, sm_scale):
     return out, lse
 
 
+@dsa_dcp.sparse_attention(empty_lse="nan")
+def nan_marked_attention(q_nope, q_pe, kv, topk, sm_scale):
+    """The dense softmax (NaN from NaN inputs, as torch gives it), rows with no slot marked by a
+    NaN LSE and a NaN out."""
+    from dsa_dcp.kernels import sparse_mla_reference
+
+    out, lse = sparse_mla_reference(q_nope, q_pe, kv, topk, sm_scale)
+    no_slot = (topk < 0).all(dim=-1)
+    return out.masked_fill(no_slot[:, None, None], math.nan), lse.masked_fill(no_slot[:, None], math.nan)
+
+
+@dsa_dcp.sparse_attention(lse_base="2", empty_lse="+inf")
+def inf_marked_attention(q_nope, q_pe, kv, topk, sm_scale):
+    """Base-2 LSE, ``+inf`` on rows with no slot, every other row the dense softmax as it is."""
+    from dsa_dcp.kernels import sparse_mla_reference
+
+    out, lse = sparse_mla_reference(q_nope, q_pe, kv, topk, sm_scale)
+    no_slot = (topk < 0).all(dim=-1)
+    return out, torch.where(no_slot[:, None], math.inf, lse / math.log(2.0))
+
+
 @dsa_dcp.sparse_attention
 def wrong_shape_attention(q_nope, q_pe, kv, topk, sm_scale):
     out, lse = dense_sparse_attention(q_nope, q_pe, kv, topk, sm_scale)
@@ -66,6 +87,41 @@ def test_decorated_op_normalizes_to_natural_log_and_empty_rows(seed):
     torch.testing.assert_close(lse[1:], ref_lse[1:].float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, ref_out.float(), rtol=1e-5, atol=1e-5)
     assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.parametrize("fn", [nan_marked_attention, inf_marked_attention], ids=["nan-mark", "inf-mark"])
+def test_only_rows_without_a_slot_are_empty_and_nan_stays_nan(fn):
+    """The declared mark empties the rows with no slot; a NaN (or +inf) on a row that has one is
+    a result, kept as it is, never taken for the mark: else a DCP merge would drop it."""
+    from dsa_dcp.kernels import sparse_mla_reference
+
+    q_nope, q_pe, kv, topk = _inputs(4)
+    kv[topk[2, topk[2] >= 0][0]] = math.nan  # a NaN in a KV row row 2 names
+    kv[topk[3, topk[3] >= 0][0], -1] = math.inf  # +inf in the rope part of a row row 3 names
+    q_pe[3] = q_pe[3].abs()  # ... met by a positive query: a +inf score on every head
+    out, lse = fn(q_nope, q_pe, kv, topk, 0.3)
+    ref_out, ref_lse = sparse_mla_reference(q_nope.double(), q_pe.double(), kv.double(), topk, 0.3,
+                                            compute_dtype=torch.float64)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.all(lse[0] == -math.inf), "no slot: empty"
+    assert out[2].isnan().all() and lse[2].isnan().all(), "NaN from the KV stays NaN"
+    assert out[3].isnan().all() and torch.isposinf(lse[3]).all(), "+inf from the KV stays +inf"
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(out, ref_out.float(), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_a_minus_inf_lse_is_empty_and_nothing_else_is():
+    from dsa_dcp.ops import normalize_attention_result
+
+    nan, inf = math.nan, math.inf
+    topk = torch.tensor([[3, -1], [-1, -1], [3, 4], [5, -1]])
+    lse = torch.tensor([[-inf, 1.0], [nan, 2.0], [nan, inf], [1.0, 2.0]])
+    out = torch.full((4, 2, 3), nan)
+    out[3] = 1.0
+    got_out, got_lse = normalize_attention_result(out, lse, topk, "e")
+    assert torch.equal(got_lse[:2], torch.tensor([[-inf, 1.0], [-inf, -inf]]))
+    assert (got_out[0, 0] == 0).all() and got_out[0, 1].isnan().all() and (got_out[1] == 0).all()
+    assert got_lse[2, 0].isnan() and torch.isposinf(got_lse[2, 1]) and got_out[2].isnan().all()
+    assert torch.equal(got_out[3], out[3]) and torch.equal(got_lse[3], lse[3])
 
 
 def test_decorated_op_is_one_node_in_the_compiled_graph_and_matches_eager():

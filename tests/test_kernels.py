@@ -41,6 +41,9 @@ def test_in_fresh_interpreter():
     rerun_in_fresh_interpreter(__file__, timeout=600)
 
 
+# NaN and inf inputs make numpy (the interpreter) warn about the NaN it computes on purpose
+QUIET_NAN = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
 # the interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest): one bf16 ulp
 BF16_ULP = 2.0**-7
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -143,50 +146,31 @@ def test_topk_remap_empty(B, K):
 
 
 def _random_shards(gen, N, B, H, D, dtype, lse_scale=3.0, lse_shift=0.0):
+    """Random shards, a quarter of them empty (``-inf``) with NaN in their ``out``, which must never
+    be read; (0, 0) empty in every shard, (1, 1) in all but the last."""
     out = torch.randn((N, B, H, D), generator=gen).to(dtype)
     lse = torch.randn((N, B, H), generator=gen) * lse_scale + lse_shift
-    bad = torch.rand((N, B, H), generator=gen) < 0.25
-    kinds = torch.tensor([float("-inf"), float("inf"), float("nan")])
-    lse[bad] = kinds[torch.randint(0, 3, (int(bad.sum()),), generator=gen)]
+    lse[torch.rand((N, B, H), generator=gen) < 0.25] = float("-inf")
     lse[:, 0, 0] = float("-inf")  # every shard of (0, 0) empty
     if B > 1 and H > 1:
-        lse[:, 1, 1] = float("nan")  # all empty, through NaN
+        lse[:, 1, 1] = float("-inf")  # all empty ...
         lse[N - 1, 1, 1] = 0.5  # ... except the last shard
-    if B > 2:
-        lse[:, 2, :] = float("inf")  # FlashMLA's empty-row convention
-    empty = ~torch.isfinite(lse)
-    out[empty] = float("nan")  # an empty shard's out must never be read
+    out[torch.isneginf(lse)] = float("nan")  # an empty shard's out must never be read
     return out, lse
 
 
-def _brute_combine(out, lse):
-    N, B, H, D = out.shape
-    res = torch.zeros((B, H, D), dtype=torch.float64)
-    res_lse = torch.full((B, H), float("-inf"), dtype=torch.float64)
-    for b in range(B):
-        for h in range(H):
-            shards = [r for r in range(N) if math.isfinite(float(lse[r, b, h]))]
-            if not shards:
-                continue
-            m = max(float(lse[r, b, h]) for r in shards)
-            total = sum(math.exp(float(lse[r, b, h]) - m) for r in shards)
-            res_lse[b, h] = m + math.log(total)
-            for r in shards:
-                res[b, h] += math.exp(float(lse[r, b, h]) - res_lse[b, h].item()) * out[r, b, h].double()
-    return res, res_lse
-
-
-def _check_combine(out, lse, block_d=None, rows=None):
-    exp_out, exp_lse = _brute_combine(out, lse)
+def _check_combine(out, lse, block_d=None, rows=None, nan=False):
+    exp_out, exp_lse = checks.brute_lse_combine(out, lse)
     rtol = RTOL[out.dtype]
     ref = lse_combine_mod.lse_combine_reference(out.to(DEVICE), lse.to(DEVICE))
     tri = lse_combine_mod.lse_combine_triton(out.to(DEVICE), lse.to(DEVICE), block_d=block_d, rows=rows)
     for what, (o, lz) in (("reference", ref), ("triton", tri)):
         assert o.dtype == out.dtype and lz.dtype == torch.float32, what
-        assert_close(o, exp_out, rtol, f"{what} out")
-        assert_close(lz, exp_lse, 1e-5, f"{what} lse")
+        checks.assert_close(o, exp_out, rtol, f"{what} out", scale_floor=1e-6, nan=nan)
+        checks.assert_close(lz, exp_lse, 1e-5, f"{what} lse", scale_floor=1e-6, nan=nan)
         empty = torch.isneginf(exp_lse)
         assert (o.cpu()[empty] == 0).all(), f"{what}: all-empty (b, h) must give out = 0"
+    return ref, tri
 
 
 @pytest.mark.parametrize("N", [1, 2, 3, 4])
@@ -218,6 +202,48 @@ def test_lse_combine_empty(N, B, H):
         o, lz = fn(out, lse)
         assert o.shape == (B, H, 6) and lz.shape == (B, H)
         assert (o == 0).all() and torch.isneginf(lz).all()
+
+
+def _non_finite_shards(dtype):
+    """N = 3 shards of B = 6 rows, H = 2 heads, D = 5, each row one case of the NaN rule."""
+    nan, inf = float("nan"), float("inf")
+    gen = _gen("combine-nan", dtype)
+    lse = torch.randn((3, 6, 2), generator=gen)  # every shard non-empty but where set below
+    out = torch.randn((3, 6, 2, 5), generator=gen).to(dtype)
+    lse[1, 0, 0] = nan  # row 0: a NaN LSE in one shard
+    out[2, 1, 0, 3] = nan  # row 1: a NaN in the out of a non-empty shard ...
+    lse[0, 1, 1], out[0, 1, 1, 0] = -80.0, nan  # ... and of one whose weight underflows
+    lse[0, 2, :], out[0, 2] = -inf, nan  # row 2: NaN in the out of an empty shard: ignored
+    lse[:, 3, :], out[:, 3] = -inf, nan  # row 3: every shard empty
+    lse[0, 4, :] = inf  # row 4: a +inf LSE ...
+    lse[2, 4, 1] = nan  # ... and beside it a NaN one
+    out[1, 5, 0, 2] = inf  # row 5: an inf in a non-empty shard's out
+    return out, lse
+
+
+@QUIET_NAN
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_d,rows", [(None, None), (2, 4)])
+def test_lse_combine_propagates_nan_and_ignores_empty_shards(dtype, block_d, rows):
+    """Only ``lse = -inf`` is empty: NaN and +inf LSEs, and NaN in a non-empty shard's out, reach
+    the result (as the brute force's formula gives them); an empty shard's NaN out never does."""
+    out, lse = _non_finite_shards(dtype)
+    ref, tri = _check_combine(out, lse, block_d, rows, nan=True)
+    for what, (o, lz) in (("reference", ref), ("triton", tri)):
+        o, lz = o.cpu(), lz.cpu()
+        assert lz[0, 0].isnan() and o[0, 0].isnan().all() and torch.isfinite(o[0, 1]).all(), what
+        assert o[1, 0, 3].isnan() and o[1, 0].isnan().sum() == 1 and torch.isfinite(lz[1]).all(), what
+        assert o[1, 1, 0].isnan() and o[1, 1].isnan().sum() == 1, f"{what}: a NaN at weight 0 still counts"
+        assert torch.isfinite(o[2]).all() and torch.isfinite(lz[2]).all(), f"{what}: an empty shard's out leaked"
+        assert (o[3] == 0).all() and torch.isneginf(lz[3]).all(), f"{what}: all-empty row"
+        assert torch.isposinf(lz[4, 0]) and o[4, 0].isnan().all(), f"{what}: +inf LSE"
+        assert lz[4, 1].isnan() and o[4, 1].isnan().all(), f"{what}: NaN beside +inf"
+        assert torch.isposinf(o[5, 0, 2]) and torch.isfinite(lz[5]).all(), what
+    # the empty shard of row 2 drops out: the same as merging the other two shards alone
+    two = lse_combine_mod.lse_combine_reference(out[1:, 2:3], lse[1:, 2:3])
+    for what, (o, lz) in (("reference", ref), ("triton", tri)):
+        torch.testing.assert_close(o[2:3].float().cpu(), two[0].float(), rtol=RTOL[dtype], atol=RTOL[dtype])
+        torch.testing.assert_close(lz[2:3].cpu(), two[1], rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,6 +318,97 @@ def test_sparse_mla(case, dtype):
         assert_close(o, exp_out, RTOL[dtype], f"{what} out")
         assert_close(lz, exp_lse, 1e-5, f"{what} lse")
         assert (o[0] == 0).all() and torch.isneginf(lz[0]).all(), f"{what}: a row with no slot"
+
+
+def _non_finite_mla(dtype):
+    """One row for each non-finite case of the contract (B = 7, H = 4, K = 40, S = 80, Dc = 16,
+    Dr = 8): 0 no slot (NaN query), 1 a NaN in one head's query, 2 a NaN in a named KV row,
+    3 +inf in a named row's rope part, 4 -inf in a named row's latent (value) part, 5 only that
+    row named, 6 the rows of 2 and 3 (NaN beside +inf). Heads alternate the sign of the query
+    column the infinity meets, so each infinite row scores +inf on heads 0 and 2 and -inf on heads
+    1 and 3. Every KV row no top-k names is NaN."""
+    B, H, K, S, Dc, Dr = 7, 4, 40, 80, 16, 8
+    nan, inf = float("nan"), float("inf")
+    gen = _gen("mla-nan", dtype)
+    q_nope, q_pe = torch.randn((B, H, Dc), generator=gen), torch.randn((B, H, Dr), generator=gen)
+    kv = torch.randn((S, Dc + Dr), generator=gen)
+    a, b, c = 0, 1, 2  # the poisoned rows, named only where placed below
+    topk = torch.stack([3 + torch.randperm(S - 3, generator=gen)[:K] for _ in range(B)])
+    topk[torch.rand((B, K), generator=gen) < 0.3] = -1
+    topk[:, -4:] = -1  # a -1 tail
+    topk[0] = -1
+    q_nope[0] = nan  # a row with no slot is empty whatever its query holds
+    q_nope[1, 2, 0] = nan
+    topk[2, 7], kv[a, 3] = a, nan
+    topk[3, 20], kv[b, Dc + 1] = b, inf
+    topk[4, 33], kv[c, 2] = c, -inf
+    topk[5] = -1
+    topk[5, 0] = c
+    topk[6, 3], topk[6, 30] = a, b
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    q_pe[[3, 6], :, 1] = q_pe[[3, 6], :, 1].abs() * sign
+    q_nope[4:6, :, 2] = -q_nope[4:6, :, 2].abs() * sign  # kv is -inf there: +inf scores on heads 0, 2
+    named = torch.zeros(S, dtype=torch.bool)
+    named[topk[topk >= 0]] = True
+    kv[~named] = nan
+    return q_nope.to(dtype), q_pe.to(dtype), kv.to(dtype), topk
+
+
+def _brute_split_mla(q_nope, q_pe, kv, topk, sm_scale, split_len):
+    """The brute force over each contiguous K range of ``split_len``, merged by the
+    ``lse_combine`` contract: what split-K computes (a range whose keys all score -inf is empty)."""
+    K = topk.shape[1]
+    col = torch.arange(K)
+    parts = [_brute_mla(q_nope, q_pe, kv, torch.where((col >= s) & (col < s + split_len), topk, -1), sm_scale)
+             for s in range(0, K, split_len)]
+    return checks.brute_lse_combine(torch.stack([o for o, _ in parts]), torch.stack([lz for _, lz in parts]))
+
+
+@QUIET_NAN
+@pytest.mark.parametrize("block_h,block_k,num_splits,key_major,dc_split", [
+    (2, 4, 1, False, 1),  # elementwise path
+    (16, 16, 1, False, 1),  # tensor-core path
+    (16, 16, 1, True, 1),  # key-major
+    (16, 16, 1, False, 2),  # two programs a head block
+    (2, 4, 3, False, 1),  # split K: 3 ranges of 16 keys
+    (16, 16, 3, True, 1),
+])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_mla_non_finite_values(dtype, block_h, block_k, num_splits, key_major, dc_split):
+    """NaN and infinities in the query or in named KV rows give what the dense softmax gives in
+    fp64 (NaN is never "empty"); KV rows no top-k names never matter; split K merges its ranges by
+    the lse_combine rule."""
+    q_nope, q_pe, kv, topk = _non_finite_mla(dtype)
+    dense_out, dense_lse = _brute_mla(q_nope, q_pe, kv, topk, 0.5)
+    args = [t.to(DEVICE) for t in (q_nope, q_pe, kv, topk)]
+    ref64 = sparse_mla_mod.sparse_mla_reference(*args, 0.5, compute_dtype=torch.float64)
+    checks.assert_close(ref64[1], dense_lse, 1e-6, "fp64 reference lse", scale_floor=1e-6, nan=True)
+    ref = sparse_mla_mod.sparse_mla_reference(*args, 0.5)
+    tri = sparse_mla_mod.sparse_mla_triton(*args, 0.5, block_h=block_h, block_k=block_k, num_splits=num_splits,
+                                           key_major=key_major, dc_split=dc_split)
+    K = topk.shape[1]
+    split_len = -(-(-(-K // num_splits)) // block_k) * block_k  # the launcher's whole-tile ranges
+    # one range: the kernel's own result, nothing merged
+    split = (dense_out, dense_lse) if split_len >= K else _brute_split_mla(q_nope, q_pe, kv, topk, 0.5, split_len)
+    for what, (o, lz), (exp_out, exp_lse) in (("reference", ref, (dense_out, dense_lse)), ("triton", tri, split)):
+        checks.assert_close(o, exp_out, RTOL[dtype], f"{what} out", scale_floor=1e-6, nan=True)
+        checks.assert_close(lz, exp_lse, 1e-5, f"{what} lse", scale_floor=1e-6, nan=True)
+        o, lz = o.cpu(), lz.cpu()
+        assert (o[0] == 0).all() and torch.isneginf(lz[0]).all(), f"{what}: no slot, NaN query"
+        assert lz[1, 2].isnan() and o[1, 2].isnan().all(), f"{what}: NaN query head"
+        assert torch.isfinite(lz[1, [0, 1, 3]]).all() and torch.isfinite(o[1, [0, 1, 3]]).all(), what
+        assert lz[2].isnan().all() and o[2].isnan().all(), f"{what}: NaN in a named KV row is never empty"
+        assert torch.isposinf(lz[3, [0, 2]]).all() and o[3, [0, 2]].isnan().all(), f"{what}: +inf score"
+        assert torch.isfinite(lz[3, [1, 3]]).all() and torch.isfinite(o[3, [1, 3]]).all(), f"{what}: -inf score"
+        assert torch.isposinf(lz[4, [0, 2]]).all() and o[4, [0, 2]].isnan().all(), f"{what}: +inf score"
+        assert torch.isfinite(lz[4, [1, 3]]).all(), f"{what}: -inf score, other keys finite"
+        assert o[4, [1, 3], 2].isnan().all() and o[4, [1, 3]].isnan().sum() == 2, f"{what}: 0 * inf in column 2"
+        assert torch.isposinf(lz[5, [0, 2]]).all() and o[5, [0, 2]].isnan().all(), what
+        # every key of row 5 scores -inf on heads 1, 3: the dense softmax is 0/0 (NaN out, lse -inf);
+        # under split K the one range holding the key is empty to the merge, like a DCP shard
+        assert torch.isneginf(lz[5, [1, 3]]).all(), what
+        assert lz[6].isnan().all() and o[6].isnan().all(), f"{what}: NaN beside +inf is NaN"
+        assert o[5, [1, 3]].isnan().all() if what == "reference" or num_splits == 1 else (o[5, [1, 3]] == 0).all()
 
 
 def test_sparse_mla_long_topk():
@@ -448,7 +565,7 @@ def test_dispatchers_follow_device():
     a, b = kernels.topk_remap(topk, 2, 1, 2), topk_remap_mod.topk_remap_reference(topk, 2, 1, 2)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     out, lse = _random_shards(gen, 2, 3, 2, 4, torch.float32)
-    a, b = kernels.lse_combine(out.to(DEVICE), lse.to(DEVICE)), _brute_combine(out, lse)
+    a, b = kernels.lse_combine(out.to(DEVICE), lse.to(DEVICE)), checks.brute_lse_combine(out, lse)
     assert_close(a[0], b[0], 1e-5, "out")
     assert_close(a[1], b[1], 1e-5, "lse")
     cache = torch.zeros((4, 3), device=DEVICE)

@@ -168,7 +168,7 @@ def _debug_rank(rank, world, case):
     elif case == "differ" and rank == 1:
         args[3][2, 0] = (args[3][2, 0] + 1) % S
     compiled = torch.compile(step, backend="dsa_dcp", fullgraph=True,
-                             options={"dcp_size": world, "merge": "ag", "debug_checks": True})
+                             options={"dcp_size": world, "merge": "ag", "debug_checks": True, "lowering": "fx"})
     try:
         compiled(*args)
     except Exception as e:  # noqa: BLE001

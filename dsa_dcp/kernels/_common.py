@@ -1,8 +1,10 @@
-"""Shared launcher helpers for the Triton kernels: input checks and launchability."""
+"""Shared helpers for the Triton kernels: input checks, launchability, and one device function."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 TRITON_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -80,3 +82,12 @@ def check_float(op: str, name: str, t: torch.Tensor, ndim: int, dtypes=None) -> 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim has stride 1 (views of a larger buffer stay views)."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+@triton.jit
+def max_keep_nan(a, b):
+    """``max`` that keeps NaN, for reductions of scores and LSEs (``tl.max``/``tl.maximum`` return
+    the other operand): a NaN makes the max NaN, so a NaN still wins over a ``+inf`` beside it.
+    Used as ``tl.reduce(x, axis, max_keep_nan)``: the reduction ``tl.max`` does, with only the
+    NaN behaviour of its max changed."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)

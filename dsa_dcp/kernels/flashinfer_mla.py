@@ -4,8 +4,13 @@ FlashInfer has no sparse MLA decode for Hopper, but its paged MLA kernel with ``
 is sparse attention when the page list of a row is its top-k: ``kv_indices`` are the valid slots
 (compacted to the front of each row by ``topk_remap`` with one rank, so no host-side filtering),
 ``kv_indptr`` the running sum of the rows' valid counts (``kv_len``). Its LSE is base 2 and its
-result for a row with no slot is unspecified, so both are normalized here (natural log,
-``out = 0``, ``lse = -inf``).
+result for a row with no slot is unspecified, so both are normalized here: natural log, and
+``out = 0``, ``lse = -inf`` on the rows whose count of valid slots is 0 (found from the top-k,
+never from the values FlashInfer returns). Every other row is passed through as FlashInfer
+computed it, NaN included: a NaN in a named KV row or the query gives NaN there, as the
+``sparse_mla`` contract requires, and is never turned into an empty row. (An infinite score may
+come back with a NaN LSE where the contract says ``+inf``; the output is NaN either way, and so is
+any merge of it.)
 
 ``plan()`` copies the index pointers to the host, so this path synchronizes once per call;
 inside a CUDA-graph capture the ``sparse_mla`` op uses the Triton kernel instead.
@@ -22,6 +27,7 @@ from torch import Tensor
 from dsa_dcp.kernels.topk_remap import topk_remap_triton
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+LN2 = 0.6931471805599453  # FlashInfer's LSE is base 2
 
 
 def available() -> bool:
@@ -70,7 +76,8 @@ def sparse_mla_flashinfer(
     ckv = kv[:, :dc].unsqueeze(1)
     kpe = kv[:, dc:].unsqueeze(1)
     out, lse = wrapper.run(q_nope.contiguous(), q_pe.contiguous(), ckv, kpe, return_lse=True)
+    # empty rows by their count only: a NaN or inf LSE on a row with slots is a result, kept
     empty = (count == 0).unsqueeze(-1)
-    lse = torch.where(empty, float("-inf"), lse.float() * 0.6931471805599453)
+    lse = torch.where(empty, float("-inf"), lse.float() * LN2)
     out = torch.where(empty.unsqueeze(-1), 0, out)
     return out, lse

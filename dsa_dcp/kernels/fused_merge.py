@@ -5,7 +5,9 @@ Contract (``fused_a2a_merge_reference``, the composed reference, is the same fun
     fused_a2a_merge(out_r[B, H, D], lse_r[B, H], N, r) -> (out[B, H/N, D], lse[B, H/N])
 
 where rank ``r`` receives head group ``r`` (heads ``[r*G, (r+1)*G)``, ``G = H/N``) of every rank's
-partial result and LSE-combines them (``lse_combine`` semantics: non-finite LSE = empty shard).
+partial result and LSE-combines them (``lse_combine`` semantics: only ``lse = -inf`` is an empty
+shard, whose payload is never read; a NaN or ``+inf`` LSE, or a NaN in a non-empty shard's
+payload, reaches the result as in ``lse_combine``).
 
 The kernel works on a ``MergeWorkspace`` that every rank of the group allocates once, before any
 CUDA-graph capture, and whose buffers all ranks can address:
@@ -43,7 +45,8 @@ The table of peer addresses comes from torch symmetric memory on several GPUs
 (``MergeWorkspace.from_buffers``, the test harness). Under the Triton interpreter the kernel runs
 in two phases (``PHASE`` 1: steps 1-2, ``PHASE`` 2: steps 3-5) so one process can play all ranks
 without spinning: there phase 2 finds every flag already raised, and a count short of its target
-(which on a GPU would spin forever) turns the result's LSE into NaN instead.
+(which on a GPU would spin forever) turns the result's LSE into NaN instead (the tests compare
+NaN positions with the reference, so a short count fails them).
 """
 
 from __future__ import annotations
@@ -127,25 +130,25 @@ def _fused_a2a_merge_kernel(
             m = -float("inf")
             for src in tl.static_range(N):
                 row = ((slot * N + src) * B_MAX + b) * G + g
-                l_s = tl.load(my_lse_ptr + row, cache_modifier=".cg")
-                finite = (l_s == l_s) & (l_s < float("inf")) & (l_s > -float("inf"))
-                m = tl.maximum(m, tl.where(finite, l_s, -float("inf")))
-            m_safe = tl.where(m > -float("inf"), m, 0.0)
+                # the max keeps NaN, so a NaN LSE wins over a +inf one
+                m = tl.maximum(m, tl.load(my_lse_ptr + row, cache_modifier=".cg"), propagate_nan=tl.PropagateNan.ALL)
+            m_safe = tl.where(m == -float("inf"), 0.0, m)
             total = 0.0
             acc = tl.zeros([BLOCK_D], dtype=tl.float32)
             for src in tl.static_range(N):
                 row = ((slot * N + src) * B_MAX + b) * G + g
                 l_s = tl.load(my_lse_ptr + row, cache_modifier=".cg")
-                finite = (l_s == l_s) & (l_s < float("inf")) & (l_s > -float("inf"))
-                w = tl.where(finite, tl.exp(tl.where(finite, l_s, 0.0) - m_safe), 0.0)
+                w = tl.exp(l_s - m_safe)  # 0 for an empty shard; NaN for a NaN one, or +inf beside m = +inf
                 vals = tl.load(my_payload_ptr + row * D + offs, mask=dmask, other=0.0,
                                cache_modifier=".cg").to(tl.float32)
-                acc += tl.where(w > 0, w * vals, 0.0)
+                # an empty shard's payload is selected away; a non-empty one's NaN counts even at weight 0
+                acc += tl.where(l_s == -float("inf"), 0.0, w * vals)
                 total += w
-            nonempty = total > 0
-            res = tl.where(nonempty, acc / tl.where(nonempty, total, 1.0), 0.0)
-            tl.store(res_ptr + (b * G + g) * D + offs, res.to(res_ptr.dtype.element_ty), mask=dmask)
-            res_lse = tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), -float("inf"))
+            zero = total == 0  # every shard empty (a NaN total is not 0)
+            denom = tl.where(zero, 1.0, total)
+            tl.store(res_ptr + (b * G + g) * D + offs, (acc / denom).to(res_ptr.dtype.element_ty), mask=dmask)
+            res_lse = tl.where(m == float("inf"), float("inf"), m + tl.log(denom))  # +inf - +inf is NaN: keep +inf
+            res_lse = tl.where(zero, -float("inf"), res_lse)
             if PHASE == 2:
                 res_lse = tl.where(short == 0, res_lse, float("nan"))
             tl.store(res_lse_ptr + b * G + g, res_lse)

@@ -5,9 +5,20 @@ Contract (both implementations):
 ``lse_combine(out[N, B, H, D], lse[N, B, H] float32) -> (out[B, H, D] (dtype of out), lse[B, H] float32)``
 
 ``lse = logsumexp_r lse_r`` and ``out = sum_r exp(lse_r - lse) * out_r``, accumulated in fp32
-(natural-log LSE). A shard whose LSE is ``-inf``, ``+inf`` or NaN is empty: weight 0, its ``out``
-is ignored (it may hold NaN or inf). When every shard of a ``(b, h)`` is empty (or ``N == 0``) the
-result is ``out = 0``, ``lse = -inf``. Empty shards never make a NaN.
+(natural-log LSE). Only ``lse_r = -inf`` marks an empty shard: it contributes nothing, its
+``out`` is selected away, never multiplied (NaN or inf there cannot leak). When every shard of a
+``(b, h)`` is empty (or ``N == 0``) the result is ``out = 0``, ``lse = -inf``.
+
+Every other value takes part as the formula (with ``torch.logsumexp``'s meaning of infinities)
+gives it:
+
+- a NaN ``lse_r`` makes the merged ``out`` and ``lse`` NaN;
+- a ``+inf`` ``lse_r`` (a shard whose scores reached ``+inf``) makes ``lse = +inf`` and ``out``
+  NaN (``exp(inf - inf)``), or NaN ``lse`` too beside a NaN shard;
+- NaN or inf in the ``out`` of a non-empty shard reaches the merged ``out`` in those elements,
+  even where its weight underflows to 0 (``0 * NaN`` is NaN).
+
+So DCP shows the NaN the single-rank attention shows; no value but ``-inf`` is ever "empty".
 """
 
 from __future__ import annotations
@@ -16,7 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TRITON_FLOAT_DTYPES, cdiv, check_float, check_launchable, check_same_device, next_pow2
+from ._common import (
+    TRITON_FLOAT_DTYPES,
+    cdiv,
+    check_float,
+    check_launchable,
+    check_same_device,
+    max_keep_nan,
+    next_pow2,
+)
 
 _OP = "lse_combine"
 
@@ -40,24 +59,17 @@ def _empty_result(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def lse_combine_reference(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch LSE combine (see module docstring). No host sync."""
+    """Plain-torch LSE combine (see module docstring): the formula as written. No host sync."""
     _check(out, lse)
     if out.shape[0] == 0:
         return _empty_result(out)
     lse32 = lse.float()
-    valid = torch.isfinite(lse32)
-    neg_inf = torch.full_like(lse32, float("-inf"))
-    masked = torch.where(valid, lse32, neg_inf)
-    m = masked.amax(dim=0)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(masked - m_safe)  # 0 for empty shards
-    total = w.sum(dim=0)
-    has = total > 0
-    shards = torch.where(valid[..., None], out.float(), torch.zeros((), dtype=torch.float32, device=out.device))
-    acc = (w[..., None] * shards).sum(dim=0)
-    res = acc / torch.where(has, total, torch.ones_like(total))[..., None]
-    res_lse = torch.where(has, m_safe + torch.log(torch.where(has, total, torch.ones_like(total))), neg_inf[0])
-    return res.to(out.dtype), res_lse
+    res_lse = torch.logsumexp(lse32, dim=0)  # NaN beats +inf beats finite; all -inf gives -inf
+    weight = torch.exp(lse32 - res_lse)  # NaN where lse_r and lse are both +inf (or both -inf)
+    empty = (lse32 == float("-inf"))[..., None]
+    zero = torch.zeros((), dtype=torch.float32, device=out.device)
+    contrib = torch.where(empty, zero, weight[..., None] * out.float())
+    return contrib.sum(dim=0).to(out.dtype), res_lse
 
 
 @triton.jit
@@ -93,24 +105,25 @@ def _lse_combine_kernel(
         mask=in_shard[:, :, None] & in_d[None, None, :],
         other=0.0,
     )
-    valid = (lse > -float("inf")) & (lse < float("inf"))  # False for NaN too
-    lse = tl.where(valid, lse, -float("inf"))
-    m = tl.max(lse, axis=1)
+    empty = lse == -float("inf")  # the one empty mark: NaN and +inf take part
+    m = tl.reduce(lse, 1, max_keep_nan)
     m_safe = tl.where(m == -float("inf"), 0.0, m)
-    w = tl.exp(lse - m_safe[:, None])  # 0 for an empty shard
+    w = tl.exp(lse - m_safe[:, None])  # 0 for an empty shard; NaN for a NaN shard, or +inf beside m = +inf
     total = tl.sum(w, axis=1)
-    # an empty shard's out is selected away (not multiplied by 0), so NaN or inf in it cannot leak
-    o = tl.where(valid[:, :, None], o.to(tl.float32), 0.0)
+    # an empty shard's out is selected away (not multiplied by 0), so NaN or inf in it cannot leak;
+    # a non-empty shard's is multiplied, so its NaN reaches the result even at weight 0
+    o = tl.where(empty[:, :, None], 0.0, o.to(tl.float32))
     acc = tl.sum(w[:, :, None] * o, axis=1)  # [ROWS, BLOCK_D]
-    has = total > 0.0
-    denom = tl.where(has, total, 1.0)
+    zero = total == 0.0  # every shard empty (a NaN total is not 0)
+    denom = tl.where(zero, 1.0, total)
     tl.store(
         res_ptr + rows[:, None] * D + offs_d[None, :],
         (acc / denom[:, None]).to(res_ptr.dtype.element_ty),
         mask=in_rows[:, None] & in_d[None, :],
     )
     if tl.program_id(1) == 0:
-        tl.store(res_lse_ptr + rows, tl.where(has, m + tl.log(denom), -float("inf")), mask=in_rows)
+        res_lse = tl.where(m == float("inf"), float("inf"), m + tl.log(denom))  # +inf - +inf is NaN: keep +inf
+        tl.store(res_lse_ptr + rows, tl.where(zero, -float("inf"), res_lse), mask=in_rows)
 
 
 TILE_ELEMENTS = 4096  # partial-output elements a program loads (32 fp32 registers a thread at 4 warps)

@@ -9,9 +9,23 @@ For each row ``b`` and head ``h``: ``score_j = sm_scale * (q_nope[b, h] . kv[j, 
 kv[j, Dc:])`` over the entries ``j`` of ``topk[b]`` that are ``>= 0`` (negative entries are
 skipped; each entry counts as one key, duplicates are not expected), ``out = softmax(score) @
 kv[j, :Dc]`` and ``lse = log(sum_j exp(score_j))`` (natural log). Accumulated in fp32 (the Triton
-kernel's tensor-core dots take bf16/fp16 operands for such inputs, P included). A row with no
-valid entry gives ``out = 0`` and ``lse = -inf``, never NaN. An entry ``>= S`` is a contract
-violation: the reference raises, the Triton kernel skips it rather than read out of bounds.
+kernel's tensor-core dots take bf16/fp16 operands for such inputs, P included). An entry ``>= S``
+is a contract violation: the reference raises, the Triton kernel skips it rather than read out
+of bounds.
+
+Non-finite values (the rule every implementation follows):
+
+- A row with no valid entry gives ``out = 0`` and ``lse = -inf`` (empty), whatever its query
+  holds. KV rows the top-k does not name are never read: NaN or inf there changes nothing.
+- Otherwise the row is the dense softmax over the named rows, as torch computes it in fp64
+  (``torch.logsumexp``, ``torch.softmax(score) @ V``), NaN and infinities included: a NaN in the
+  query or in a named KV row gives NaN ``out`` and NaN ``lse`` (never "empty"); a score of
+  ``+inf`` gives NaN ``out`` and ``lse = +inf``; keys scoring ``-inf`` get weight 0, and ``0 * inf``
+  in their values is NaN in those columns; a row whose every named key scores ``-inf`` gives NaN
+  ``out`` and ``lse = -inf``. (Scores are infinite only when KV or the query holds an infinity.)
+- Split-K partials are merged by ``lse_combine``, where ``lse = -inf`` marks an empty partial:
+  a K split whose every key scores ``-inf`` drops out of the merge (docs/ops.md, "NaN and
+  infinities").
 
 FP8 KV: ``kv`` may be ``float8_e4m3fn`` with one per-tensor fp32 ``kv_scale`` (every column,
 latent and rope alike, is stored as ``kv_real / kv_scale`` rounded to E4M3; 576 bytes a token at
@@ -36,6 +50,7 @@ from ._common import (
     check_same_device,
     is_interpreted,
     last_dim_contiguous,
+    max_keep_nan,
     next_pow2,
 )
 from . import dispatch
@@ -81,10 +96,12 @@ def sparse_mla_reference(
     kv_scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch sparse MLA (see module docstring): gather, masked dense softmax. No host sync.
+    """Plain-torch sparse MLA (see module docstring): gather, dense softmax over the named rows.
+    No host sync.
 
     ``compute_dtype`` (fp32 by default, fp64 for tests) is the arithmetic precision; the LSE is
     returned as float32 either way. FP8 KV is dequantized (``* kv_scale``) after the gather.
+    ``torch.logsumexp`` and ``torch.softmax`` give the non-finite cases their dense meaning.
     """
     _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
     Dc = q_nope.shape[2]
@@ -102,17 +119,11 @@ def sparse_mla_reference(
     scores = scores * sm_scale
     neg_inf = torch.full((), float("-inf"), dtype=compute_dtype, device=scores.device)
     scores = torch.where(valid[:, None, :], scores, neg_inf)
-    if scores.shape[-1] == 0:
-        m = torch.full(scores.shape[:2], float("-inf"), dtype=compute_dtype, device=scores.device)
-    else:
-        m = scores.amax(dim=-1)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(scores - m_safe[..., None])  # 0 at skipped entries
-    total = p.sum(dim=-1)
-    has = total > 0
-    denom = torch.where(has, total, torch.ones_like(total))
-    out = torch.einsum("bhk,bkd->bhd", p, rows[..., :Dc]) / denom[..., None]
-    lse = torch.where(has, m_safe + torch.log(denom), torch.full_like(total, float("-inf")))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf for a row without valid entries
+    out = torch.einsum("bhk,bkd->bhd", torch.softmax(scores, dim=-1), rows[..., :Dc])
+    # a row with no valid entry is empty (its softmax is 0/0); every other row keeps its NaN
+    has = valid.any(dim=-1)[:, None, None]
+    out = torch.where(has, out, torch.zeros((), dtype=compute_dtype, device=out.device))
     return out.to(q_nope.dtype), lse.to(torch.float32)
 
 
@@ -222,6 +233,7 @@ def _sparse_mla_kernel(
 
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    seen = tl.zeros([BLOCK_K], dtype=tl.int32)  # lanes that held a valid key (tells -inf scores from none)
     if KEY_MAJOR:
         # keys as the rows of every product: scores^T = K q^T ([BLOCK_K, BLOCK_H]) and
         # acc^T = V^T p^T ([BLOCK_DV, BLOCK_H]), so the MMA's wide dimension is the key tile or
@@ -235,6 +247,7 @@ def _sparse_mla_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(topk_ptr + b * stride_topk + offs_k, mask=offs_k < k_end, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < S)
+        seen = seen | valid.to(tl.int32)
         kv_row = kv_ptr + tl.where(valid, idx, 0) * stride_kv
         kc = tl.load(kv_row[:, None] + own[None, :], mask=valid[:, None] & in_own[None, :], other=0.0)
         kr = tl.load(kv_row[:, None] + DC + offs_dr[None, :], mask=valid[:, None] & in_dr[None, :], other=0.0)
@@ -243,7 +256,7 @@ def _sparse_mla_kernel(
         if KEY_MAJOR:  # (USE_DOT; the launcher sees to it)
             s_t = _mma(kc, qn_t, DOT_DTYPE, DOT_IEEE) + _mma(kr, qp_t, DOT_DTYPE, DOT_IEEE)
             s_t = tl.where(valid[:, None], s_t * score_scale, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+            m_new = max_keep_nan(m_i, tl.reduce(s_t, 0, max_keep_nan))
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p_t = tl.exp(s_t - m_safe[None, :])
@@ -257,7 +270,7 @@ def _sparse_mla_kernel(
                 ko = tl.load(kv_row[:, None] + other[None, :], mask=valid[:, None] & in_other[None, :], other=0.0)
                 s += _scores(qn_other, _operand(ko, UPCAST, DOT_DTYPE), USE_DOT, DOT_DTYPE, DOT_IEEE)
             s = tl.where(valid[None, :], s * score_scale, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = max_keep_nan(m_i, tl.reduce(s, 1, max_keep_nan))
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no (-inf) - (-inf) before a valid key
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
@@ -269,26 +282,32 @@ def _sparse_mla_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
-    has = l_i > 0.0
-    denom = tl.where(has, l_i, 1.0)
+    # l_i == 0: no key carried weight (no valid key, or every valid one scored -inf): lse = -inf.
+    # A NaN l_i (NaN or +inf scores) is not 0, so NaN and +inf reach out and lse as they are.
+    zero = l_i == 0.0
+    denom = tl.where(zero, 1.0, l_i)
+    # every valid key scored -inf: the dense softmax is 0/0 = NaN; with no valid key the row is empty (out = 0)
+    nan_out = zero & (tl.max(seen, axis=0) > 0)
+    scale_h = tl.where(nan_out, float("nan"), out_scale / denom)
     # out is [splits, B, H, DC] and lse [splits, B, H]: the layout lse_combine merges
     out_row = (split.to(tl.int64) * B + b) * H + offs_h
     if KEY_MAJOR:
-        out = acc * (out_scale / denom)[None, :]
+        out = acc * scale_h[None, :]
         tl.store(
             out_ptr + out_row[None, :] * DC + own[:, None],
             out.to(out_ptr.dtype.element_ty),
             mask=in_h[None, :] & in_own[:, None],
         )
     else:
-        out = acc * (out_scale / denom)[:, None]  # acc is 0 for a row without keys
+        out = acc * scale_h[:, None]  # acc is 0 for a row without keys
         tl.store(
             out_ptr + out_row[:, None] * DC + own[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=in_h[:, None] & in_own[None, :],
         )
     if part == 0:  # one program of the head block writes the LSE
-        tl.store(lse_ptr + out_row, tl.where(has, m_i + tl.log(denom), -float("inf")), mask=in_h)
+        lse = tl.where(m_i == float("inf"), float("inf"), m_i + tl.log(denom))  # +inf - +inf is NaN: keep +inf
+        tl.store(lse_ptr + out_row, tl.where(zero, -float("inf"), lse), mask=in_h)
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

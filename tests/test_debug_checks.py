@@ -1,0 +1,87 @@
+"""``debug_checks``: the ranks compare their top-k rows entry by entry (gloo ranks).
+
+Regression: a position-weighted sum of the row could not tell rank 0's ``[5, 7, ...]`` from rank
+1's ``[7, 6, ...]`` (both 25 + the same rest); the rows themselves are compared now.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dsa_dcp
+from dsa_dcp.launch import run_on_ranks
+
+S, B, K = 24, 3, 5
+ROW = torch.tensor([[1, 2, 3, 4, -1], [9, 8, -1, -1, -1], [0, 0, 10, 11, 12]])  # row 2's head is replaced
+
+# rank 1's row 2 differs from rank 0's, each pair in a way a cheap summary misses
+DIFFERENT = {
+    "linear_sum": ([5, 7], [7, 6]),  # equal position-weighted sums: 1*(5+2) + 2*(7+2) = 1*(7+2) + 2*(6+2)
+    "permutation": ([5, 7], [7, 5]),  # equal plain sums
+    "missing_slot": ([5, 7], [5, -1]),
+}
+
+
+def _topk(rank, case):
+    topk = ROW.clone()
+    if case in DIFFERENT:
+        topk[2, :2] = torch.tensor(DIFFERENT[case][min(rank, 1)])
+    if case == "range_on_one_rank" and rank == 1:
+        topk[1, 3] = S  # one past the pool, on rank 1 only
+    return topk
+
+
+def _check_rank(rank, world, cases):
+    from dsa_dcp.debug_checks import check_step
+
+    group = dist.group.WORLD.group_name
+    results = {}
+    for position, case in enumerate(cases):
+        try:
+            check_step(_topk(rank, case), position, 3, S, world, group)
+        except Exception as e:  # noqa: BLE001 - the parent asserts on the message
+            results[case] = f"{type(e).__name__}: {e}"
+        else:
+            results[case] = "ok"
+    return results
+
+
+def test_different_top_k_rows_are_caught_whatever_their_sums():
+    cases = [*DIFFERENT, "range_on_one_rank", "same"]
+    results = run_on_ranks(_check_rank, 2, cases, timeout=120)
+    for case in DIFFERENT:
+        ours, theirs = DIFFERENT[case]
+        col = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+        for r in results:
+            assert r[case].startswith("DCPRuntimeCheckError: layer 3: row 2: ranks [1] computed a different top-k "
+                                      f"than rank 0 (first at position {col}: rank 1 has slot {theirs[col]}, rank 0 "
+                                      f"has {ours[col]})"), r[case]
+    # a slot out of range on one rank: both ranks raise (no rank is left waiting in a collective)
+    for r in results:
+        assert r["range_on_one_rank"] == ("DCPRuntimeCheckError: layer 3: row 1 holds top-k slot 24 at position 3, "
+                                          "outside [-1, 24) (on ranks [1])")
+        assert r["same"] == "ok"
+
+
+def _compiled_rank(rank, world):
+    torch._dynamo.reset()
+    cache = dsa_dcp.allocate_kv_cache(S, 12, dcp_size=world)
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(B, 4, 8, generator=g), torch.randn(B, 4, 4, generator=g), cache, _topk(rank, "linear_sum"))
+
+    def attend(q_nope, q_pe, kv, topk):
+        return torch.ops.dsa_dcp.sparse_mla.default(q_nope, q_pe, kv, topk, 0.5)[0]
+
+    compiled = torch.compile(attend, backend="dsa_dcp", fullgraph=True,
+                             options={"dcp_size": world, "merge": "ag", "debug_checks": True, "lowering": "fx"})
+    try:
+        compiled(*args)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_debug_checks_catch_equal_sums_in_a_compiled_step():
+    for r in run_on_ranks(_compiled_rank, 2, timeout=120):
+        assert "layer 0: row 2: ranks [1] computed a different top-k than rank 0" in r, r
