@@ -1,10 +1,13 @@
 """``dsa-dcp bench kernels --tune``: the measured ``sparse_mla`` dispatch table.
 
-Per shape (H, B, K, KV dtype): the fastest Triton tiles, timed in a CUDA graph over KV rows that
-are not in L2 (see :mod:`dsa_dcp.bench.kernels`), then the fastest backend as the op runs it
-uncaptured (Triton with those tiles, FlashInfer fa2 and fa3 through the adapter, ``plan()``
-included). Every candidate is checked against the reference before it is timed. The result is
-the JSON table :mod:`dsa_dcp.kernels.dispatch` reads.
+Per shape (H, B, K, KV dtype): the fastest Triton tiles and, where it runs, the Hopper kernel's
+fastest split count, each timed in a CUDA graph over KV rows that are not in L2 (see
+:mod:`dsa_dcp.bench.kernels`); the faster of the two is the captured choice (``graph_backend``).
+Then the fastest backend as the op runs it uncaptured (Triton with its tiles, Hopper with its
+splits, FlashInfer fa2 and fa3 through the adapter, ``plan()`` included) is ``backend``. Every
+candidate is checked against the reference before it is timed. The result is the JSON table
+:mod:`dsa_dcp.kernels.dispatch` reads. ``--candidates hopper`` times no new Triton tiles (only the
+shipped table's, or the heuristic's where it has none) beside the Hopper kernel.
 """
 
 from __future__ import annotations
@@ -61,7 +64,19 @@ CANDIDATE_SETS = {
     "all": TILE_CANDIDATES + KEY_MAJOR_CANDIDATES + DC_SPLIT_CANDIDATES,
     "key-major": KEY_MAJOR_CANDIDATES,
     "dc-split": DC_SPLIT_CANDIDATES,
+    "hopper": [],  # the shipped Triton tiles only, beside the Hopper kernel
 }
+
+
+def _hopper_split_candidates(b: int, h: int, k: int, sms: int) -> list[int]:
+    """The Hopper kernel's split counts to time: none, its default, and the powers of two that
+    make half a wave to two waves of CTAs (one CTA an SM), each split keeping a key tile."""
+    from dsa_dcp.kernels.sparse_mla_hopper import BLOCK_H, BLOCK_K, default_splits
+
+    ctas = b * math.ceil(h / BLOCK_H)
+    tiles = math.ceil(k / BLOCK_K)
+    waves = {1 << i for i in range(12) if sms / 2 <= ctas * (1 << i) <= 2 * sms and (1 << i) <= tiles}
+    return sorted({1, default_splits(b, h, k, sms)} | waves)
 
 
 def _split_candidates(b: int, h: int, k: int, block_h: int, block_k: int, sms: int) -> list[int]:
@@ -80,8 +95,10 @@ def _candidates(b: int, h: int, k: int, kv: str, tile_set: list[dict], sms: int)
     out = []
     table = dispatch.load_table()
     shipped = table and dispatch.lookup(table, torch.cuda.get_device_name(), h, b, k, kv)
-    if shipped and shipped.backend == "triton":
+    if shipped:  # its Triton tiles, whichever backend it chose
         out.append(("shipped", dict(shipped.tiles)))
+    elif not tile_set:
+        out.append(("heuristic", {}))
     for tiles in tile_set:
         if tiles["block_h"] > h:  # a head block larger than the heads: mostly masked lanes
             continue
@@ -93,9 +110,15 @@ def _candidates(b: int, h: int, k: int, kv: str, tile_set: list[dict], sms: int)
 def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kvs=("bf16", "fp8"),
                     candidates: str = "all") -> list[dict]:
     """Per shape: the fastest Triton tiles in graph (among ``CANDIDATE_SETS[candidates]`` and the
-    shipped table's choice), then the fastest backend as the op (eager). Every timing is printed."""
+    shipped table's choice) and the Hopper kernel's fastest split count in graph (where it runs);
+    then the fastest backend as the op (eager). Every timing is printed."""
+    from dsa_dcp.kernels import sparse_mla_hopper
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     have_fi = importlib.util.find_spec("flashinfer") is not None
+    have_hopper = sparse_mla_hopper.available()
+    if not have_hopper:
+        print(f"# hopper kernel not tuned: {sparse_mla_hopper.unavailable_reason()}", file=sys.stderr)
     entries = []
     for case, ref in mla_cases(heads, batches, ks, kvs):
         kv, h, b, k = case.kv, case.h, case.b, case.k
@@ -115,19 +138,37 @@ def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kv
             if best is None or us < best[0]:
                 best = (us, t)
         tiles = best[1]
+        graph_us = {"triton": best[0]}
+        hopper_best = None
+        if have_hopper:
+            for splits in _hopper_split_candidates(b, h, k, sms):
+                check_mla("hopper", case.hopper(num_splits=splits)(), ref)
+                us = in_graph_us([case.hopper(v, num_splits=splits) for v in range(case.views)], rep=10)
+                print(f"#   {kv} H={h} B={b} K={k} hopper num_splits={splits}: {us:.1f} us in graph", file=sys.stderr)
+                if hopper_best is None or us < hopper_best[0]:
+                    hopper_best = (us, {"num_splits": splits})
+            graph_us["hopper"] = hopper_best[0]
+        graph_backend = min(graph_us, key=graph_us.get)
         times = {"triton": median_us(case.triton(**tiles), rep=20)}
+        if hopper_best is not None:
+            times["hopper"] = median_us(case.hopper(**hopper_best[1]), rep=20)
         if have_fi and kv == "bf16":
             for backend in ("fa2", "fa3"):
                 op = case.flashinfer_op(backend)
                 check_mla(f"{backend} op", op(), ref)
                 times[backend] = median_us(op, rep=20)
         backend = min(times, key=times.get)
-        entries.append({"H": h, "B": b, "K": k, "kv": kv, "backend": backend, "tiles": tiles,
-                        "us": {"triton_graph": best[0], **{f"{n}_op": v for n, v in times.items()}}})
+        entry = {"H": h, "B": b, "K": k, "kv": kv, "backend": backend, "graph_backend": graph_backend,
+                 "tiles": tiles,
+                 "us": {**{f"{n}_graph": v for n, v in graph_us.items()}, **{f"{n}_op": v for n, v in times.items()}}}
+        if hopper_best is not None:
+            entry["hopper_tiles"] = hopper_best[1]
         if shipped_us is not None:
-            entries[-1]["us"]["shipped_triton_graph"] = shipped_us
-        print(f"# tuned {time.strftime('%H:%M:%S')} {kv} H={h} B={b} K={k}: {tiles} {best[0]:.1f} us in graph; op: "
-              + ", ".join(f"{n} {v:.1f}" for n, v in times.items()), file=sys.stderr)
+            entry["us"]["shipped_triton_graph"] = shipped_us
+        entries.append(entry)
+        print(f"# tuned {time.strftime('%H:%M:%S')} {kv} H={h} B={b} K={k}: in graph "
+              + ", ".join(f"{n} {v:.1f}" for n, v in graph_us.items()) + f" -> {graph_backend}; op: "
+              + ", ".join(f"{n} {v:.1f}" for n, v in times.items()) + f" -> {backend}", file=sys.stderr)
     return entries
 
 

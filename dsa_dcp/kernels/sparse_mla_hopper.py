@@ -1,0 +1,533 @@
+"""Sparse MLA decode for Hopper (sm_90a), written in Gluon below Triton's ``tl.dot``.
+
+Same contract as :mod:`dsa_dcp.kernels.sparse_mla` (``sparse_mla_hopper`` has the signature of
+``sparse_mla_triton``): ``q_nope[B, H, 512]``, ``q_pe[B, H, 64]``, ``kv[S, 576]`` (bf16, or FP8
+E4M3 with a per-tensor ``kv_scale``), ``topk[B, K]`` slot ids (negative entries and entries
+``>= S`` skipped), ``sm_scale``; returns ``out[B, H, 512]`` in ``q_nope``'s dtype and
+``lse[B, H]`` fp32, natural log. A row with no valid slot gives ``out = 0``, ``lse = -inf``; a
+NaN in a query or in a KV row the top-k names gives that row NaN ``out`` and NaN ``lse``.
+
+Design (one CTA per request ``b``, 64-head block and K split; 12 warps in three roles)::
+
+    producer (4 warps)      gathers the 64 KV rows of a key tile into a ring of 2 shared-memory
+                            stages: BF16 with cp.async (16 B a thread, zero-fill for skipped
+                            entries, completion counted on the stage's mbarrier by every
+                            producer thread), FP8 with plain loads widened to fp16 in registers
+                            and stored (exact: every E4M3 value is an fp16 value)
+    softmax group (4 warps) S = Q K^T once per tile (wgmma 64 x 64 over the 576 columns: three
+                            products, latent halves and rope, Q in shared memory), online
+                            softmax in fp32 (exp2, scale folded), P to shared memory for the
+                            other group, then O[:, :256] += P V[:, :256] with P from registers
+    output group (4 warps)  O[:, 256:] += P V[:, 256:] with P from shared memory, after
+                            rescaling by the tile's correction factor the softmax group
+                            shares (64 floats)
+
+so the score tile is computed once and the 64 x 512 fp32 accumulator is split by output columns
+across two warp groups (128 registers a thread each). Shared memory: Q 72 KB, two KV stages of
+72 KB, P 8 KB (229 KB of the 227 KB... see ``SMEM_BYTES``). A 128-head request runs as two CTAs
+with consecutive ids, so the second one's gathers mostly hit L2. When ``B * ceil(H / 64)`` CTAs
+fill less of the GPU than ``min_fill`` (launcher), K is split in whole tiles over several CTAs
+that write fp32 partials ``(out, lse)`` and a second kernel merges them by log-sum-exp (a split
+with NaN LSE makes the row NaN, a split with no key weighs 0).
+
+Precision: BF16 KV: products in bf16 with fp32 accumulation, P rounded to bf16 for ``P V``
+(as FlashAttention/FlashMLA). FP8 KV: the KV is widened exactly to fp16, the queries go to fp16
+scaled by 2^-8 (undone in the score scale: no overflow below |q| = 2^24), P is rounded to fp16;
+``kv_scale`` multiplies the scores and the output once.
+
+Limits: Hopper only (compute capability 9.0) with Triton 3.6's Gluon (:func:`available`);
+``Dc = 512`` and ``Dr = 64``; bf16 or fp16 queries; any H (blocks of 64 heads, the rest of a
+block masked: H = 16 or 32 compute a whole 64-head tile); any K (the last tile masked); no
+autograd. Under the Triton interpreter or on CPU tensors it refuses (use the Triton kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from ._common import cdiv, check_same_device, last_dim_contiguous
+
+_OP = "sparse_mla_hopper"
+DC, DR = 512, 64
+BLOCK_H = 64  # heads of one CTA: the wgmma M
+BLOCK_K = 64  # keys of one tile
+STAGES = 2  # KV tiles in shared memory
+HALF = DC // 2  # output columns of one warp group
+WORKER_REGS = (160, 112)  # output group, producer; the softmax group gets 3 * 168 - 272 = 232
+MAX_REGS = 168  # per thread at launch for 12 warps (12 * 32 * 168 = 64512 <= 65536)
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+Q_DTYPES = (torch.bfloat16, torch.float16)
+SMEM_BYTES = 2 * (BLOCK_H * (DC + DR) + STAGES * BLOCK_K * (DC + DR) + BLOCK_H * BLOCK_K) + 4 * 2 * BLOCK_H
+TRITON_VERSION = "3.6"  # the Gluon API this module is written against
+ENV_FORCE = "DSA_DCP_HOPPER_KERNEL"  # "0": report unavailable (e.g. to compare backends)
+
+_IMPORT_ERROR: str | None = None
+try:  # Gluon exists in triton >= 3.4; its API moves between releases, so any failure means "not here"
+    import triton
+    import triton.language as tl
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except Exception as e:  # pragma: no cover - depends on the installed triton
+    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+
+def _version_ok() -> bool:
+    return _IMPORT_ERROR is None and triton.__version__.startswith(TRITON_VERSION)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def unavailable_reason(device: torch.device | None = None) -> str | None:
+    """Why the kernel cannot run here (``None`` when it can)."""
+    if os.environ.get(ENV_FORCE) == "0":
+        return f"disabled by {ENV_FORCE}=0"
+    if _IMPORT_ERROR is not None:
+        return f"triton.experimental.gluon (Hopper) does not import: {_IMPORT_ERROR}"
+    if not triton.__version__.startswith(TRITON_VERSION):
+        return f"written against triton {TRITON_VERSION}'s Gluon API, found triton {triton.__version__}"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "Gluon kernels do not run under the Triton interpreter"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    if _capability(index) != (9, 0):
+        return f"needs compute capability 9.0 (Hopper), device {index} has {_capability(index)}"
+    return None
+
+
+def available(device: torch.device | None = None) -> bool:
+    """Whether :func:`sparse_mla_hopper` can run on ``device`` (default: the current CUDA device)."""
+    return unavailable_reason(device) is None
+
+
+def supports(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> bool:
+    """The shapes and dtypes the kernel is built for (``sparse_mla_hopper`` refuses the rest)."""
+    return (
+        q_nope.shape[-1] == DC
+        and q_pe.shape[-1] == DR
+        and q_nope.dtype in Q_DTYPES
+        and q_pe.dtype == q_nope.dtype
+        and (kv.dtype == q_nope.dtype or kv.dtype in FP8_KV_DTYPES)
+    )
+
+
+if _IMPORT_ERROR is None:
+    try:
+
+        @gluon.constexpr_function
+        def _gather_layout(fp8, cols):
+            """Rows of ``cols`` elements over 4 warps, 16 bytes (one vector) a thread."""
+            vec = 16 if fp8 else 8
+            lanes_c = min(32, cols // vec)
+            return gl.BlockedLayout([1, vec], [32 // lanes_c, lanes_c], [4, 1], [1, 0])
+
+        @gluon.jit
+        def _load_q_tile(q_row, offs_h, in_h, stride_h, cols, dst, q_prescale, Q_PRESCALE: gl.constexpr,
+                         MMA_DTYPE: gl.constexpr):
+            """One [64, n] part of the queries into shared memory, in the products' dtype."""
+            q = gl.load(q_row + offs_h[:, None] * stride_h + cols[None, :], mask=in_h[:, None], other=0.0)
+            if Q_PRESCALE:
+                q = q.to(gl.float32) * q_prescale
+            dst.store(q.to(MMA_DTYPE))
+
+        @gluon.jit
+        def _softmax_partition(
+            q_nope_ptr, q_pe_ptr, topk_row, out_ptr, lse_ptr,
+            q_l, q_r, q_p, kv_l, kv_r, kv_p, p_smem, alpha_smem, l_smem,
+            ready, empty, p_ready, p_free, l_ready,
+            b, h0, H, S, k_begin, k_end, n_tiles, out_row0, qk_scale, out_scale, q_prescale,
+            stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+            BK: gl.constexpr, STAGES: gl.constexpr, Q_PRESCALE: gl.constexpr, MMA_DTYPE: gl.constexpr,
+        ):  # fmt: skip
+            """Warp group 0: queries to shared memory; per tile S = Q K^T, online softmax, P and
+            the correction factor to the output group, O[:, :256] += P V[:, :256]; then the
+            left half of the output and the LSE."""
+            BH: gl.constexpr = 64
+            HALF: gl.constexpr = 256
+            DR: gl.constexpr = 64
+            # queries: loaded once, [64, 256] + [64, 256] + [64, 64] in shared memory
+            ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+            qpl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, ql))
+            cols = gl.arange(0, HALF, gl.SliceLayout(0, ql))
+            qn_row = q_nope_ptr + b * stride_qn_b
+            _load_q_tile(qn_row, offs_h, offs_h < H, stride_qn_h, cols, q_l, q_prescale, Q_PRESCALE, MMA_DTYPE)
+            _load_q_tile(qn_row, offs_h, offs_h < H, stride_qn_h, cols + HALF, q_r, q_prescale, Q_PRESCALE, MMA_DTYPE)
+            offs_hp = h0 + gl.arange(0, BH, gl.SliceLayout(1, qpl))
+            cols_p = gl.arange(0, DR, gl.SliceLayout(0, qpl))
+            _load_q_tile(q_pe_ptr + b * stride_qp_b, offs_hp, offs_hp < H, stride_qp_h, cols_p, q_p, q_prescale,
+                         Q_PRESCALE, MMA_DTYPE)
+            fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
+
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, BK, 16])
+            o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, HALF, 16])
+            p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+            row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+            row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+            col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+            m_i = gl.full([BH], float("-inf"), gl.float32, row_s)
+            l_i = gl.zeros([BH], gl.float32, row_s)
+            acc = gl.zeros([BH, HALF], gl.float32, o_layout)
+            s_zero = gl.zeros([BH, BK], gl.float32, s_layout)
+            for j in range(n_tiles):
+                st = j % STAGES
+                k0 = k_begin + j * BK
+                offs_k = k0 + gl.arange(0, BK, col_s)
+                idx = gl.load(topk_row + offs_k, mask=offs_k < k_end, other=-1)  # in flight during S
+                mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+                fence_async_shared()  # the producer's generic-proxy writes, read by wgmma
+                s = warpgroup_mma(q_l, kv_l.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(q_r, kv_r.index(st).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(q_p, kv_p.index(st).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                valid = (idx >= 0) & (idx < S)
+                s = gl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 domain
+                m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf) before a key
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                p16 = p.to(MMA_DTYPE)
+                # hand P and alpha to the output group once it has consumed the previous tile's
+                mbarrier.wait(p_free, (j & 1) ^ 1)
+                p_smem.store(p16)
+                alpha_smem.store(alpha)
+                fence_async_shared()
+                gl.thread_barrier()  # all four warps' stores are done before thread 0 arrives
+                mbarrier.arrive(p_ready, count=1)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                acc = warpgroup_mma(gl.convert_layout(p16, p_layout), kv_l.index(st), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(st), count=1)
+
+            # epilogue: l to the output group, then the left half and the LSE
+            l_smem.store(l_i)
+            gl.thread_barrier()
+            mbarrier.arrive(l_ready, count=1)
+            empty_row = l_i == 0.0  # NaN is not empty: it reaches out and lse
+            denom = gl.where(empty_row, 1.0, l_i)
+            inv = gl.convert_layout(out_scale / denom, row_o)
+            out = acc * inv[:, None]
+            rows_o = h0 + gl.arange(0, BH, row_o)
+            cols_o = gl.arange(0, HALF, gl.SliceLayout(0, o_layout))
+            dst = out_ptr + (out_row0 + rows_o.to(gl.int64))[:, None] * 512 + cols_o[None, :]
+            gl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(rows_o < H)[:, None])
+            lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(denom)) * 0.6931471805599453)
+            rows_s = h0 + gl.arange(0, BH, row_s)
+            gl.store(lse_ptr + out_row0 + rows_s, lse, mask=rows_s < H)
+
+        @gluon.jit
+        def _output_partition(
+            q_nope_ptr, q_pe_ptr, topk_row, kv_ptr, out_ptr, lse_ptr,
+            q_l, q_r, q_p, kv_l, kv_r, kv_p, p_smem, alpha_smem, l_smem,
+            ready, empty, p_ready, p_free, l_ready,
+            b, h0, H, S, k_begin, k_end, n_tiles, out_row0, out_scale, stride_kv,
+            BK: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+        ):  # fmt: skip
+            """Warp group 1: O[:, 256:] += P V[:, 256:] per tile, then the right half of the output."""
+            BH: gl.constexpr = 64
+            HALF: gl.constexpr = 256
+            o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, HALF, 16])
+            row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+            acc = gl.zeros([BH, HALF], gl.float32, o_layout)
+            for j in range(n_tiles):
+                st = j % STAGES
+                mbarrier.wait(ready.index(st), (j // STAGES) & 1)  # (complete by now: orders the data)
+                mbarrier.wait(p_ready, j & 1)
+                fence_async_shared()
+                alpha = alpha_smem.load(row_o)
+                acc = acc * alpha[:, None]
+                acc = warpgroup_mma(p_smem, kv_r.index(st), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()
+                mbarrier.arrive(p_free, count=1)
+                mbarrier.arrive(empty.index(st), count=1)
+            mbarrier.wait(l_ready, 0)
+            l_i = l_smem.load(row_o)
+            denom = gl.where(l_i == 0.0, 1.0, l_i)
+            out = acc * (out_scale / denom)[:, None]
+            rows_o = h0 + gl.arange(0, BH, row_o)
+            cols_o = HALF + gl.arange(0, HALF, gl.SliceLayout(0, o_layout))
+            dst = out_ptr + (out_row0 + rows_o.to(gl.int64))[:, None] * 512 + cols_o[None, :]
+            gl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(rows_o < H)[:, None])
+
+        @gluon.jit
+        def _producer_partition(
+            q_nope_ptr, q_pe_ptr, topk_row, kv_ptr, out_ptr, lse_ptr,
+            q_l, q_r, q_p, kv_l, kv_r, kv_p, p_smem, alpha_smem, l_smem,
+            ready, empty, p_ready, p_free, l_ready,
+            b, h0, H, S, k_begin, k_end, n_tiles, out_row0, out_scale, stride_kv,
+            BK: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+        ):  # fmt: skip
+            """Producer warps: gather each tile's KV rows into the stage ring (skipped entries
+            zero-filled, so 0 * NaN from an unwritten row cannot reach the output)."""
+            HALF: gl.constexpr = 256
+            DR: gl.constexpr = 64
+            # 16 bytes a thread: FP8 widened to fp16 in registers and stored, bf16 one cp.async each
+            ll: gl.constexpr = _gather_layout(FP8, HALF)
+            lp: gl.constexpr = _gather_layout(FP8, DR)
+            cols = gl.arange(0, HALF, gl.SliceLayout(0, ll))
+            cols_p = HALF * 2 + gl.arange(0, DR, gl.SliceLayout(0, lp))
+            for j in range(n_tiles):
+                st = j % STAGES
+                k0 = k_begin + j * BK
+                offs = k0 + gl.arange(0, BK, gl.SliceLayout(1, ll))
+                idx = gl.load(topk_row + offs, mask=offs < k_end, other=-1)
+                valid = (idx >= 0) & (idx < S)
+                rows = kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * stride_kv
+                offs_p = k0 + gl.arange(0, BK, gl.SliceLayout(1, lp))
+                idx_p = gl.load(topk_row + offs_p, mask=offs_p < k_end, other=-1)
+                valid_p = (idx_p >= 0) & (idx_p < S)
+                rows_p = kv_ptr + gl.where(valid_p, idx_p, 0).to(gl.int64) * stride_kv
+                ptr_l = rows[:, None] + cols[None, :]
+                ptr_p = rows_p[:, None] + cols_p[None, :]
+                if FP8:
+                    # loads first, so they fly while the stage is still being read
+                    xl = gl.load(ptr_l, mask=valid[:, None], other=0.0)
+                    xr = gl.load(ptr_l + HALF, mask=valid[:, None], other=0.0)
+                    xp = gl.load(ptr_p, mask=valid_p[:, None], other=0.0)
+                    mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
+                    kv_l.index(st).store(xl.to(gl.float16))
+                    kv_r.index(st).store(xr.to(gl.float16))
+                    kv_p.index(st).store(xp.to(gl.float16))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(ready.index(st), count=1)
+                else:
+                    mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
+                    async_copy.async_copy_global_to_shared(kv_l.index(st), ptr_l, mask=valid[:, None])
+                    async_copy.async_copy_global_to_shared(kv_r.index(st), ptr_l + HALF, mask=valid[:, None])
+                    async_copy.async_copy_global_to_shared(kv_p.index(st), ptr_p, mask=valid_p[:, None])
+                    # every producer thread arrives when its own copies have landed
+                    async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+
+        # sizes are not specialized (one compile serves every B, H, K, S); strides are (alignment)
+        @gluon.jit(do_not_specialize=["B", "H", "K", "S", "HB", "SPLITS", "split_len"])
+        def _sparse_mla_hopper_kernel(
+            q_nope_ptr, q_pe_ptr, kv_ptr, topk_ptr, out_ptr, lse_ptr,
+            B, H, K, S, HB, SPLITS, split_len, qk_scale, out_scale, q_prescale,
+            stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_kv, stride_topk,
+            BK: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, Q_PRESCALE: gl.constexpr,
+            MMA_DTYPE: gl.constexpr,
+        ):  # fmt: skip
+            BH: gl.constexpr = 64
+            HALF: gl.constexpr = 256
+            DR: gl.constexpr = 64
+            # one flat grid, head blocks fastest: the CTAs of one request's head blocks are
+            # neighbours and read the same gathered rows, mostly from L2 for the second one
+            pid = gl.program_id(0)
+            hb = pid % HB
+            split = (pid // HB) % SPLITS
+            b = pid // (HB * SPLITS)
+            h0 = hb * BH
+            k_begin = split * split_len
+            k_end = gl.minimum(k_begin + split_len, K)
+            n_tiles = gl.cdiv(k_end - k_begin, BK)
+            out_row0 = (split * B + b).to(gl.int64) * H  # out is [splits, B, H, 512], lse [splits, B, H]
+            topk_row = topk_ptr + b.to(gl.int64) * stride_topk
+
+            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, HALF], MMA_DTYPE)
+            qp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, DR], MMA_DTYPE)
+            kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, HALF], MMA_DTYPE)
+            kvp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DR], MMA_DTYPE)
+            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BK], MMA_DTYPE)
+            vec: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+            q_l = gl.allocate_shared_memory(MMA_DTYPE, [BH, HALF], q_layout)
+            q_r = gl.allocate_shared_memory(MMA_DTYPE, [BH, HALF], q_layout)
+            q_p = gl.allocate_shared_memory(MMA_DTYPE, [BH, DR], qp_layout)
+            kv_l = gl.allocate_shared_memory(MMA_DTYPE, [STAGES, BK, HALF], kv_layout)
+            kv_r = gl.allocate_shared_memory(MMA_DTYPE, [STAGES, BK, HALF], kv_layout)
+            kv_p = gl.allocate_shared_memory(MMA_DTYPE, [STAGES, BK, DR], kvp_layout)
+            p_smem = gl.allocate_shared_memory(MMA_DTYPE, [BH, BK], p_layout)
+            alpha_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
+            l_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                # BF16: each of the 128 producer threads arrives (cp.async.mbarrier.arrive.noinc);
+                # FP8: one arrival after the producer's stores and fence
+                mbarrier.init(ready.index(i), count=1 if FP8 else 128)
+                mbarrier.init(empty.index(i), count=2)  # both consumer warp groups
+            mbarrier.init(p_ready, count=1)
+            mbarrier.init(p_free, count=1)
+            mbarrier.init(l_ready, count=1)
+
+            # (argument tuples written out in the call: a tuple held in a variable, or built with +,
+            # turns its constexpr members into tensors)
+            gl.warp_specialize([
+                (_softmax_partition, (q_nope_ptr, q_pe_ptr, topk_row, out_ptr, lse_ptr,
+                                      q_l, q_r, q_p, kv_l, kv_r, kv_p, p_smem, alpha_smem, l_smem,
+                                      ready, empty, p_ready, p_free, l_ready,
+                                      b, h0, H, S, k_begin, k_end, n_tiles, out_row0, qk_scale, out_scale,
+                                      q_prescale, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+                                      BK, STAGES, Q_PRESCALE, MMA_DTYPE)),
+                (_output_partition, (q_nope_ptr, q_pe_ptr, topk_row, kv_ptr, out_ptr, lse_ptr,
+                                     q_l, q_r, q_p, kv_l, kv_r, kv_p, p_smem, alpha_smem, l_smem,
+                                     ready, empty, p_ready, p_free, l_ready,
+                                     b, h0, H, S, k_begin, k_end, n_tiles, out_row0, out_scale, stride_kv,
+                                     BK, STAGES, FP8)),
+                (_producer_partition, (q_nope_ptr, q_pe_ptr, topk_row, kv_ptr, out_ptr, lse_ptr,
+                                     q_l, q_r, q_p, kv_l, kv_r, kv_p, p_smem, alpha_smem, l_smem,
+                                     ready, empty, p_ready, p_free, l_ready,
+                                     b, h0, H, S, k_begin, k_end, n_tiles, out_row0, out_scale, stride_kv,
+                                     BK, STAGES, FP8)),
+            ], [4, 4], [160, 112])  # WORKER_REGS
+
+        @triton.jit(do_not_specialize=["BH", "SPLITS"])
+        def _combine_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, BH, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+            """out[r] = sum_s exp(lse_s - lse) part[s, r], lse = logsumexp_s lse_s over the splits of
+            row r = (b, h). A split with LSE -inf has no key (weight 0, its part never read into the
+            sum); a NaN LSE or a NaN part makes the row NaN. All splits empty: out 0, lse -inf."""
+            r = tl.program_id(0).to(tl.int64)
+            offs_s = tl.arange(0, BLOCK_S)
+            in_s = offs_s < SPLITS
+            lse_s = tl.load(plse_ptr + offs_s * BH + r, mask=in_s, other=float("-inf"))
+            m = tl.max(tl.where(lse_s == lse_s, lse_s, float("-inf")), axis=0)  # NaN-free max
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            w = tl.exp(lse_s - m_safe)  # 0 for -inf, NaN for NaN
+            total = tl.sum(w, axis=0)
+            cols = tl.arange(0, D)
+            part = tl.load(part_ptr + (offs_s * BH + r)[:, None] * D + cols[None, :], mask=in_s[:, None], other=0.0)
+            contrib = tl.where((w != 0.0)[:, None], w[:, None] * part, 0.0)  # (NaN w: NaN * part = NaN)
+            empty = total == 0.0
+            denom = tl.where(empty, 1.0, total)
+            out = tl.sum(contrib, axis=0) / denom
+            tl.store(out_ptr + r * D + cols, out.to(out_ptr.dtype.element_ty))
+            tl.store(lse_ptr + r, tl.where(empty, float("-inf"), m_safe + tl.log(denom)))
+
+    except Exception as e:  # pragma: no cover - a Gluon API this module does not know
+        _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def default_splits(B: int, H: int, K: int, sms: int) -> int:
+    """K splits for ``B * ceil(H / 64)`` CTAs on ``sms`` multiprocessors (one CTA fits an SM):
+    none when the CTAs fill at least 3/4 of the GPU, else enough to fill it once, each split
+    keeping two key tiles or more."""
+    ctas = B * cdiv(H, BLOCK_H)
+    if 4 * ctas >= 3 * sms:
+        return 1
+    return max(1, min(sms // ctas, cdiv(K, 2 * BLOCK_K)))
+
+
+def _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale) -> None:
+    for name, t, nd in (("q_nope", q_nope, 3), ("q_pe", q_pe, 3), ("kv", kv, 2), ("topk", topk, 2)):
+        if not isinstance(t, torch.Tensor) or t.dim() != nd:
+            raise ValueError(f"{_OP}: {name} must be a {nd}-dim tensor, got {getattr(t, 'shape', t)!r}")
+    B, H, Dc = q_nope.shape
+    if Dc != DC or tuple(q_pe.shape) != (B, H, DR) or kv.shape[1] != DC + DR:
+        raise ValueError(
+            f"{_OP}: needs q_nope [B, H, {DC}], q_pe [B, H, {DR}], kv [S, {DC + DR}]; got "
+            f"{tuple(q_nope.shape)}, {tuple(q_pe.shape)}, {tuple(kv.shape)}"
+        )
+    if q_nope.dtype not in Q_DTYPES or q_pe.dtype != q_nope.dtype:
+        raise ValueError(f"{_OP}: q_nope and q_pe must both be bf16 or fp16, got {q_nope.dtype}, {q_pe.dtype}")
+    if kv.dtype in FP8_KV_DTYPES:
+        if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)) or not kv_scale > 0:
+            raise ValueError(f"{_OP}: FP8 kv needs a positive Python float kv_scale, got {kv_scale!r}")
+    elif kv.dtype != q_nope.dtype:
+        raise ValueError(f"{_OP}: kv must have the queries' dtype {q_nope.dtype} or be float8_e4m3fn, got {kv.dtype}")
+    elif kv_scale is not None:
+        raise ValueError(f"{_OP}: kv_scale is only for FP8 kv, got kv dtype {kv.dtype}")
+    if topk.dtype not in (torch.int32, torch.int64) or topk.shape[0] != B:
+        raise ValueError(f"{_OP}: topk must be int32/int64 [B={B}, K], got {topk.dtype} {tuple(topk.shape)}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise ValueError(f"{_OP}: sm_scale must be a Python float, got {sm_scale!r}")
+    check_same_device(_OP, q_nope=q_nope, q_pe=q_pe, kv=kv, topk=topk)
+    if kv.shape[0] >= 2**31:
+        raise ValueError(f"{_OP}: at most 2^31 - 1 KV rows (int32 slot ids), got {kv.shape[0]}")
+
+
+def sparse_mla_hopper(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    topk: torch.Tensor,
+    sm_scale: float,
+    kv_scale: float | None = None,
+    *,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``sparse_mla`` contract on the Hopper kernel (module docstring). ``num_splits``: K
+    splits (default :func:`default_splits`). No host sync; CUDA-graph capturable."""
+    _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
+    B, H, _ = q_nope.shape
+    K = topk.shape[1]
+    device = q_nope.device
+    if B == 0 or H == 0 or K == 0:
+        out = torch.zeros((B, H, DC), dtype=q_nope.dtype, device=device)
+        return out, torch.full((B, H), float("-inf"), dtype=torch.float32, device=device)
+    reason = unavailable_reason(device if device.type == "cuda" else None)
+    if reason is None and device.type != "cuda":
+        reason = "needs CUDA tensors"
+    if reason is not None:
+        raise RuntimeError(f"{_OP}: cannot run here: {reason}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"{_OP}: num_splits must be >= 1, got {num_splits}")
+    tiles = cdiv(K, BLOCK_K)
+    splits = min(num_splits or default_splits(B, H, K, _sm_count(device)), tiles)
+    split_len = cdiv(tiles, splits) * BLOCK_K
+    splits = cdiv(K, split_len)  # every split has at least one key
+    fp8 = kv.dtype in FP8_KV_DTYPES
+    q_prescale = 1.0
+    if fp8:
+        mma_dtype = gl.float16
+        q_prescale = 1.0 if q_nope.dtype == torch.float16 else 2.0**-8
+    else:
+        mma_dtype = gl.bfloat16 if q_nope.dtype == torch.bfloat16 else gl.float16
+    scale = 1.0 if kv_scale is None else float(kv_scale)
+    q_nope = last_dim_contiguous(q_nope)
+    q_pe = last_dim_contiguous(q_pe)
+    kv = last_dim_contiguous(kv)
+    topk = topk.contiguous()
+    lead = () if splits == 1 else (splits,)
+    out = torch.empty(lead + (B, H, DC), dtype=q_nope.dtype if splits == 1 else torch.float32, device=device)
+    lse = torch.empty(lead + (B, H), dtype=torch.float32, device=device)
+    head_blocks = cdiv(H, BLOCK_H)
+    _sparse_mla_hopper_kernel[(head_blocks * splits * B,)](
+        q_nope, q_pe, kv, topk, out, lse,
+        B, H, K, kv.shape[0], head_blocks, splits, split_len, float(sm_scale) * scale / q_prescale * math.log2(math.e), scale,
+        q_prescale, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0),
+        topk.stride(0),
+        BK=BLOCK_K, STAGES=STAGES, FP8=fp8, Q_PRESCALE=q_prescale != 1.0, MMA_DTYPE=mma_dtype,
+        num_warps=4, maxnreg=MAX_REGS,
+    )  # fmt: skip
+    if splits == 1:
+        return out, lse
+    merged = torch.empty((B, H, DC), dtype=q_nope.dtype, device=device)
+    merged_lse = torch.empty((B, H), dtype=torch.float32, device=device)
+    _combine_kernel[(B * H,)](out, lse, merged, merged_lse, B * H, splits, D=DC,
+                              BLOCK_S=max(2, 1 << (splits - 1).bit_length()), num_warps=4)
+    return merged, merged_lse
