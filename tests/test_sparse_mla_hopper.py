@@ -115,6 +115,20 @@ def test_matches_fp64_reference(case, H, kv_dtype):
 
 
 @gpu
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["bf16", "fp8"])
+@pytest.mark.parametrize("prefetch,early_s", [(0, True), (3, False), (2, True)])
+def test_pipeline_variants(prefetch, early_s, kv_dtype):
+    """The L2 prefetch distance and the early score product change timing only."""
+    _need_kernel()
+    q_nope, q_pe, kv, topk, kv_scale = _inputs(prefetch * 2 + early_s, 3, 128, 700, 7000, kv_dtype, 0.1, (1,), 30)
+    ref = _reference(q_nope, q_pe, kv, topk, kv_scale)
+    for splits in (1, 2):
+        got = hopper.sparse_mla_hopper(q_nope, q_pe, kv, topk, SM_SCALE, kv_scale, num_splits=splits,
+                                       prefetch=prefetch, early_s=early_s)
+        _check(got, ref)
+
+
+@gpu
 @pytest.mark.parametrize("H", [16, 32, 96])
 def test_head_counts_not_a_multiple_of_the_block(H):
     _need_kernel()

@@ -1,7 +1,9 @@
 """On the GPU machine: smoke-test, then time the Hopper sparse MLA kernel in one process.
 
-    python3 tools/hopper_gpu_run.py smoke            # one small launch per KV dtype, errors printed
+    python3 tools/hopper_gpu_run.py smoke [bf16|fp8]  # small launches, errors against fp64 printed
     python3 tools/hopper_gpu_run.py bench OUT.json   # graph times, all shapes; Triton beside it at K = 2048
+    python3 tools/hopper_gpu_run.py diag             # B = 128, K = 2048: without the gathers, prefetch 0/2/3
+    python3 tools/hopper_gpu_run.py summary TUNE.json  # the table `bench kernels --tune` printed, in short
 
 The full comparison with FlashInfer is ``dsa-dcp bench kernels``; this is the short version for
 a development run (graph times only, default split counts, plus a split sweep at B <= 32).
@@ -16,13 +18,13 @@ import time
 import torch
 
 
-def smoke() -> int:
+def smoke(kinds: list[str]) -> int:
     from dsa_dcp.kernels.sparse_mla import sparse_mla_reference
     from dsa_dcp.kernels.sparse_mla_hopper import sparse_mla_hopper, unavailable_reason
 
     print("hopper kernel:", unavailable_reason() or "available")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for kv_dtype in [{"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[k] for k in kinds]:
         for splits in (1, 3):
             B, H, K, S = 2, 64, 300, 2000
             q = torch.randn(B, H, 512, device="cuda", generator=g).bfloat16()
@@ -43,7 +45,7 @@ def smoke() -> int:
             rel = ((out.double() - ref[0]).abs().max() / ref[0].abs().max()).item()
             lse_err = (lse.double() - ref[1].double()).abs().max().item()
             print(f"{kv_dtype} splits={splits}: rel out {rel:.2e}, abs lse {lse_err:.2e} ({time.time() - t:.1f} s)")
-    print("SMOKE_OK")
+    print("SMOKE_OK", *kinds)
     return 0
 
 
@@ -65,7 +67,7 @@ def bench(path: str) -> int:
                     ref = case.reference()
                     row = {"kv": kv, "H": h, "B": b, "K": k, "flops": case.flops, "bytes": case.bytes}
                     default = default_splits(b, h, k, sms)
-                    splits = {default} | ({1, 2, 4, 8, 16} if b <= 32 and k == 2048 else set())
+                    splits = {default} | ({1, max(1, default // 2), 2 * default} if b <= 32 and k == 2048 else set())
                     for s in sorted(splits):
                         try:
                             check_mla("hopper", case.hopper(num_splits=s)(), ref)
@@ -91,6 +93,51 @@ def bench(path: str) -> int:
     return 0
 
 
+def diag() -> int:
+    """Where the time goes at B = 128, K = 2048: the kernel without its gathers (compute and
+    synchronization alone), and the L2 prefetch distance 0 / 2 / 3."""
+    from dsa_dcp.bench.kernels import MlaCase, device_limits, in_graph_us, make_caches
+
+    limits = device_limits()
+    print(f"limits: copy {limits['copy_GBps']:.0f} GB/s, bf16 mm {limits['bf16_mm_TFLOPS']:.0f} TFLOP/s")
+    caches = make_caches()
+    for kv in ("bf16", "fp8"):
+        for h in (64, 128):
+            cache, scale = caches[kv]
+            case = MlaCase(cache, h, 128, 2048, kv, scale)
+            res = {}
+            for name, kw in (("compute only", dict(_compute_only=True, prefetch=2, early_s=False)),
+                             ("compute only early_s", dict(_compute_only=True, prefetch=2, early_s=True)),
+                             ("pf0", dict(prefetch=0, early_s=False)), ("pf2", dict(prefetch=2, early_s=False)),
+                             ("pf3", dict(prefetch=3, early_s=False)), ("pf2 early_s", dict(prefetch=2, early_s=True))):
+                res[name] = in_graph_us([case.hopper(v, num_splits=1, **kw) for v in range(case.views)])
+            tiles = 2048 // 64 * 128 * (h // 64) / torch.cuda.get_device_properties(0).multi_processor_count
+            print(f"{kv} H={h} B=128 K=2048: " + ", ".join(f"{n} {v:.1f}" for n, v in res.items())
+                  + f" us; {tiles:.1f} tiles an SM: compute only {res['compute only'] / tiles:.2f} us a tile", flush=True)
+    return 0
+
+
+def summary(path: str) -> int:
+    """The tuned table in short: per shape the Triton and Hopper graph times, rates, choices."""
+    table = json.load(open(path))
+    print("kv   H   B    K | triton us | hopper us  TFLOPS  GB/s (splits,pf,early) | hop/tri | op us tri hop -> backend")
+    for e in table["entries"]:
+        us, t = e["us"], e.get("hopper_tiles", {})
+        hop, tri = us.get("hopper_graph"), us.get("triton_graph")
+        b, h, k = e["B"], e["H"], e["K"]
+        flops = 2 * b * h * k * 1088
+        nbytes = b * k * 576 * (1 if e["kv"] == "fp8" else 2) + 2 * b * h * 576 * 2
+        print(f"{e['kv']:4} {h:3} {b:3} {k:4} | {tri:9.1f} | " + (
+            f"{hop:9.1f} {flops / hop / 1e6:7.0f} {nbytes / hop / 1e3:5.0f} "
+            f"({t.get('num_splits')},{t.get('prefetch')},{int(bool(t.get('early_s')))}) | {tri / hop:7.2f}"
+            if hop else "        -") + f" | {us.get('triton_op', 0):.0f} {us.get('hopper_op', 0):.0f} -> "
+            f"{e['backend']}/{e.get('graph_backend')}")
+    return 0
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
-    sys.exit(smoke() if sys.argv[1] == "smoke" else bench(sys.argv[2]))
+    mode = sys.argv[1]
+    if mode == "smoke":
+        sys.exit(smoke(sys.argv[2:] or ["bf16", "fp8"]))
+    sys.exit({"bench": bench, "diag": lambda: diag(), "summary": summary}[mode](*sys.argv[2:]))

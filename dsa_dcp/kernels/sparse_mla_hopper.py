@@ -49,6 +49,7 @@ import os
 
 import torch
 
+from . import dispatch
 from ._common import cdiv, check_same_device, last_dim_contiguous
 
 _OP = "sparse_mla_hopper"
@@ -56,6 +57,8 @@ DC, DR = 512, 64
 BLOCK_H = 64  # heads of one CTA: the wgmma M
 BLOCK_K = 64  # keys of one tile
 STAGES = 2  # KV tiles in shared memory
+PREFETCH = 2  # key tiles ahead whose rows the producer prefetches into L2
+EARLY_S = False  # issue the next tile's scores before this tile's P V completes
 HALF = DC // 2  # output columns of one warp group
 WORKER_REGS = (160, 112)  # output group, producer; the softmax group gets 3 * 168 - 272 = 232
 MAX_REGS = 168  # per thread at launch for 12 warps (12 * 32 * 168 = 64512 <= 65536)
@@ -76,6 +79,7 @@ try:  # Gluon exists in triton >= 3.4; its API moves between releases, so any fa
         fence_async_shared,
         mbarrier,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
 except Exception as e:  # pragma: no cover - depends on the installed triton
@@ -136,13 +140,19 @@ if _IMPORT_ERROR is None:
             return gl.BlockedLayout([1, vec], [32 // lanes_c, lanes_c], [4, 1], [1, 0])
 
         @gluon.jit
-        def _load_q_tile(q_row, offs_h, in_h, stride_h, cols, dst, q_prescale, Q_PRESCALE: gl.constexpr,
-                         MMA_DTYPE: gl.constexpr):
-            """One [64, n] part of the queries into shared memory, in the products' dtype."""
-            q = gl.load(q_row + offs_h[:, None] * stride_h + cols[None, :], mask=in_h[:, None], other=0.0)
+        def _q_operand(q, Q_PRESCALE: gl.constexpr, MMA_DTYPE: gl.constexpr):
+            """Queries in the products' dtype; with Q_PRESCALE (bf16 queries on FP8 KV) scaled by
+            2^-8 first (exact in bf16) so that fp16 holds them (the launcher undoes it)."""
             if Q_PRESCALE:
-                q = q.to(gl.float32) * q_prescale
-            dst.store(q.to(MMA_DTYPE))
+                q = q * 0.00390625
+            return q.to(MMA_DTYPE)
+
+        @gluon.jit
+        def _scores_async(q_l, q_r, q_p, kv_l, kv_r, kv_p, st, s_zero):
+            """S = Q K^T for the tile in stage ``st``: three wgmma groups (latent halves, rope)."""
+            s = warpgroup_mma(q_l, kv_l.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_r, kv_r.index(st).permute((1, 0)), s, is_async=True)
+            return warpgroup_mma(q_p, kv_p.index(st).permute((1, 0)), s, is_async=True)
 
         @gluon.jit
         def _softmax_partition(
@@ -152,10 +162,13 @@ if _IMPORT_ERROR is None:
             b, h0, H, S, k_begin, k_end, n_tiles, out_row0, qk_scale, out_scale, q_prescale,
             stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
             BK: gl.constexpr, STAGES: gl.constexpr, Q_PRESCALE: gl.constexpr, MMA_DTYPE: gl.constexpr,
+            EARLY_S: gl.constexpr,
         ):  # fmt: skip
             """Warp group 0: queries to shared memory; per tile S = Q K^T, online softmax, P and
             the correction factor to the output group, O[:, :256] += P V[:, :256]; then the
-            left half of the output and the LSE."""
+            left half of the output and the LSE. EARLY_S: the next tile's S is issued right after
+            this tile's P V, so the tensor cores run them back to back (its wait moves to the top
+            of the next iteration)."""
             BH: gl.constexpr = 64
             HALF: gl.constexpr = 256
             DR: gl.constexpr = 64
@@ -165,12 +178,17 @@ if _IMPORT_ERROR is None:
             offs_h = h0 + gl.arange(0, BH, gl.SliceLayout(1, ql))
             cols = gl.arange(0, HALF, gl.SliceLayout(0, ql))
             qn_row = q_nope_ptr + b * stride_qn_b
-            _load_q_tile(qn_row, offs_h, offs_h < H, stride_qn_h, cols, q_l, q_prescale, Q_PRESCALE, MMA_DTYPE)
-            _load_q_tile(qn_row, offs_h, offs_h < H, stride_qn_h, cols + HALF, q_r, q_prescale, Q_PRESCALE, MMA_DTYPE)
+            in_h = (offs_h < H)[:, None]
             offs_hp = h0 + gl.arange(0, BH, gl.SliceLayout(1, qpl))
             cols_p = gl.arange(0, DR, gl.SliceLayout(0, qpl))
-            _load_q_tile(q_pe_ptr + b * stride_qp_b, offs_hp, offs_hp < H, stride_qp_h, cols_p, q_p, q_prescale,
-                         Q_PRESCALE, MMA_DTYPE)
+            # all three loads in flight before the first store
+            qa = gl.load(qn_row + offs_h[:, None] * stride_qn_h + cols[None, :], mask=in_h, other=0.0)
+            qb = gl.load(qn_row + offs_h[:, None] * stride_qn_h + (cols + HALF)[None, :], mask=in_h, other=0.0)
+            qc = gl.load(q_pe_ptr + b * stride_qp_b + offs_hp[:, None] * stride_qp_h + cols_p[None, :],
+                         mask=(offs_hp < H)[:, None], other=0.0)
+            q_l.store(_q_operand(qa, Q_PRESCALE, MMA_DTYPE))
+            q_r.store(_q_operand(qb, Q_PRESCALE, MMA_DTYPE))
+            q_p.store(_q_operand(qc, Q_PRESCALE, MMA_DTYPE))
             fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
 
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -186,17 +204,23 @@ if _IMPORT_ERROR is None:
             l_i = gl.zeros([BH], gl.float32, row_s)
             acc = gl.zeros([BH, HALF], gl.float32, o_layout)
             s_zero = gl.zeros([BH, BK], gl.float32, s_layout)
+            offs_k = k_begin + gl.arange(0, BK, col_s)
+            idx = gl.load(topk_row + offs_k, mask=offs_k < k_end, other=-1)  # the tile's, a tile ahead
+            s_tok = warpgroup_mma_init(s_zero)
+            if EARLY_S:
+                if n_tiles > 0:
+                    mbarrier.wait(ready.index(0), 0)
+                    fence_async_shared()
+                    s_tok = _scores_async(q_l, q_r, q_p, kv_l, kv_r, kv_p, 0, s_zero)
             for j in range(n_tiles):
                 st = j % STAGES
-                k0 = k_begin + j * BK
-                offs_k = k0 + gl.arange(0, BK, col_s)
-                idx = gl.load(topk_row + offs_k, mask=offs_k < k_end, other=-1)  # in flight during S
-                mbarrier.wait(ready.index(st), (j // STAGES) & 1)
-                fence_async_shared()  # the producer's generic-proxy writes, read by wgmma
-                s = warpgroup_mma(q_l, kv_l.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(q_r, kv_r.index(st).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma(q_p, kv_p.index(st).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                if EARLY_S:
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+                else:
+                    mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+                    fence_async_shared()  # the producer's generic-proxy writes, read by wgmma
+                    s = warpgroup_mma_wait(num_outstanding=0,
+                                           deps=(_scores_async(q_l, q_r, q_p, kv_l, kv_r, kv_p, st, s_zero),))
                 valid = (idx >= 0) & (idx < S)
                 s = gl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 domain
                 m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -214,8 +238,20 @@ if _IMPORT_ERROR is None:
                 gl.thread_barrier()  # all four warps' stores are done before thread 0 arrives
                 mbarrier.arrive(p_ready, count=1)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                acc = warpgroup_mma(gl.convert_layout(p16, p_layout), kv_l.index(st), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                pv = warpgroup_mma(gl.convert_layout(p16, p_layout), kv_l.index(st), acc, is_async=True)
+                offs_k = offs_k + BK
+                idx = gl.load(topk_row + offs_k, mask=offs_k < k_end, other=-1)
+                if EARLY_S:
+                    if j + 1 < n_tiles:
+                        nxt = (j + 1) % STAGES
+                        mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                        fence_async_shared()
+                        s_tok = _scores_async(q_l, q_r, q_p, kv_l, kv_r, kv_p, nxt, s_zero)
+                        acc = warpgroup_mma_wait(num_outstanding=3, deps=(pv,))  # P V done, S's 3 groups not
+                    else:
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(st), count=1)
 
@@ -272,40 +308,70 @@ if _IMPORT_ERROR is None:
             gl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(rows_o < H)[:, None])
 
         @gluon.jit
+        def _prefetch_rows_l2(rows, ok, row_bytes):
+            """One bulk L2 prefetch a KV row (``cp.async.bulk.prefetch.L2``, sm_90) where ``ok``."""
+            gl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
+                "=r,l,r,r", [rows, ok.to(gl.int32), gl.full(rows.shape, row_bytes, gl.int32, rows.type.layout)],
+                dtype=gl.int32, is_pure=False, pack=1)
+
+        @gluon.jit
+        def _tile_rows(topk_row, kv_ptr, k0, k_end, S, stride_kv, layout: gl.constexpr):
+            """Row pointers of one key tile's KV rows (row 0 where skipped) and which are valid."""
+            offs = k0 + gl.arange(0, 64, layout)
+            idx = gl.load(topk_row + offs, mask=offs < k_end, other=-1)
+            valid = (idx >= 0) & (idx < S)
+            return kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * stride_kv, valid
+
+        @gluon.jit
         def _producer_partition(
             q_nope_ptr, q_pe_ptr, topk_row, kv_ptr, out_ptr, lse_ptr,
             q_l, q_r, q_p, kv_l, kv_r, kv_p, p_smem, alpha_smem, l_smem,
             ready, empty, p_ready, p_free, l_ready,
             b, h0, H, S, k_begin, k_end, n_tiles, out_row0, out_scale, stride_kv,
-            BK: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+            BK: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PREFETCH: gl.constexpr,
+            NO_GATHER: gl.constexpr,
         ):  # fmt: skip
             """Producer warps: gather each tile's KV rows into the stage ring (skipped entries
-            zero-filled, so 0 * NaN from an unwritten row cannot reach the output)."""
+            zero-filled, so 0 * NaN from an unwritten row cannot reach the output). PREFETCH
+            tiles ahead, each row is first prefetched into L2 (a bulk prefetch a row), so the
+            gather into shared memory finds it there: with two stages only one tile is in flight
+            to shared memory, and the prefetches keep more of the rows in flight."""
             HALF: gl.constexpr = 256
             DR: gl.constexpr = 64
             # 16 bytes a thread: FP8 widened to fp16 in registers and stored, bf16 one cp.async each
             ll: gl.constexpr = _gather_layout(FP8, HALF)
             lp: gl.constexpr = _gather_layout(FP8, DR)
+            pfl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            row_bytes = (HALF * 2 + DR) * (1 if FP8 else 2)
             cols = gl.arange(0, HALF, gl.SliceLayout(0, ll))
             cols_p = HALF * 2 + gl.arange(0, DR, gl.SliceLayout(0, lp))
+            for t in gl.static_range(STAGES, PREFETCH):  # tiles past the first stages, not reached below
+                pf_rows, pf_ok = _tile_rows(topk_row, kv_ptr, k_begin + t * BK, k_end, S, stride_kv, pfl)
+                _prefetch_rows_l2(pf_rows, pf_ok, row_bytes)
+            # the next tile's row pointers are loaded a tile ahead (their index loads off the path)
+            rows, valid = _tile_rows(topk_row, kv_ptr, k_begin, k_end, S, stride_kv, gl.SliceLayout(1, ll))
+            rows_p, valid_p = _tile_rows(topk_row, kv_ptr, k_begin, k_end, S, stride_kv, gl.SliceLayout(1, lp))
             for j in range(n_tiles):
                 st = j % STAGES
                 k0 = k_begin + j * BK
-                offs = k0 + gl.arange(0, BK, gl.SliceLayout(1, ll))
-                idx = gl.load(topk_row + offs, mask=offs < k_end, other=-1)
-                valid = (idx >= 0) & (idx < S)
-                rows = kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * stride_kv
-                offs_p = k0 + gl.arange(0, BK, gl.SliceLayout(1, lp))
-                idx_p = gl.load(topk_row + offs_p, mask=offs_p < k_end, other=-1)
-                valid_p = (idx_p >= 0) & (idx_p < S)
-                rows_p = kv_ptr + gl.where(valid_p, idx_p, 0).to(gl.int64) * stride_kv
+                if PREFETCH > 0:
+                    pf_rows, pf_ok = _tile_rows(topk_row, kv_ptr, k0 + PREFETCH * BK, k_end, S, stride_kv, pfl)
+                    _prefetch_rows_l2(pf_rows, pf_ok, row_bytes)
                 ptr_l = rows[:, None] + cols[None, :]
                 ptr_p = rows_p[:, None] + cols_p[None, :]
-                if FP8:
+                if NO_GATHER:  # measurement aid: the stages are released unfilled (compute time alone)
+                    mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
+                    gl.thread_barrier()
+                    mbarrier.arrive(ready.index(st), count=1)
+                elif FP8:
                     # loads first, so they fly while the stage is still being read
                     xl = gl.load(ptr_l, mask=valid[:, None], other=0.0)
                     xr = gl.load(ptr_l + HALF, mask=valid[:, None], other=0.0)
                     xp = gl.load(ptr_p, mask=valid_p[:, None], other=0.0)
+                    rows, valid = _tile_rows(topk_row, kv_ptr, k0 + BK, k_end, S, stride_kv, gl.SliceLayout(1, ll))
+                    rows_p, valid_p = _tile_rows(topk_row, kv_ptr, k0 + BK, k_end, S, stride_kv,
+                                                 gl.SliceLayout(1, lp))
                     mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
                     kv_l.index(st).store(xl.to(gl.float16))
                     kv_r.index(st).store(xr.to(gl.float16))
@@ -320,6 +386,9 @@ if _IMPORT_ERROR is None:
                     async_copy.async_copy_global_to_shared(kv_p.index(st), ptr_p, mask=valid_p[:, None])
                     # every producer thread arrives when its own copies have landed
                     async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+                    rows, valid = _tile_rows(topk_row, kv_ptr, k0 + BK, k_end, S, stride_kv, gl.SliceLayout(1, ll))
+                    rows_p, valid_p = _tile_rows(topk_row, kv_ptr, k0 + BK, k_end, S, stride_kv,
+                                                 gl.SliceLayout(1, lp))
 
         # sizes are not specialized (one compile serves every B, H, K, S); strides are (alignment)
         @gluon.jit(do_not_specialize=["B", "H", "K", "S", "HB", "SPLITS", "split_len"])
@@ -328,7 +397,7 @@ if _IMPORT_ERROR is None:
             B, H, K, S, HB, SPLITS, split_len, qk_scale, out_scale, q_prescale,
             stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_kv, stride_topk,
             BK: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, Q_PRESCALE: gl.constexpr,
-            MMA_DTYPE: gl.constexpr,
+            MMA_DTYPE: gl.constexpr, PREFETCH: gl.constexpr, EARLY_S: gl.constexpr, NO_GATHER: gl.constexpr,
         ):  # fmt: skip
             BH: gl.constexpr = 64
             HALF: gl.constexpr = 256
@@ -369,7 +438,7 @@ if _IMPORT_ERROR is None:
             for i in gl.static_range(STAGES):
                 # BF16: each of the 128 producer threads arrives (cp.async.mbarrier.arrive.noinc);
                 # FP8: one arrival after the producer's stores and fence
-                mbarrier.init(ready.index(i), count=1 if FP8 else 128)
+                mbarrier.init(ready.index(i), count=1 if FP8 or NO_GATHER else 128)
                 mbarrier.init(empty.index(i), count=2)  # both consumer warp groups
             mbarrier.init(p_ready, count=1)
             mbarrier.init(p_free, count=1)
@@ -383,7 +452,7 @@ if _IMPORT_ERROR is None:
                                       ready, empty, p_ready, p_free, l_ready,
                                       b, h0, H, S, k_begin, k_end, n_tiles, out_row0, qk_scale, out_scale,
                                       q_prescale, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
-                                      BK, STAGES, Q_PRESCALE, MMA_DTYPE)),
+                                      BK, STAGES, Q_PRESCALE, MMA_DTYPE, EARLY_S)),
                 (_output_partition, (q_nope_ptr, q_pe_ptr, topk_row, kv_ptr, out_ptr, lse_ptr,
                                      q_l, q_r, q_p, kv_l, kv_r, kv_p, p_smem, alpha_smem, l_smem,
                                      ready, empty, p_ready, p_free, l_ready,
@@ -393,7 +462,7 @@ if _IMPORT_ERROR is None:
                                      q_l, q_r, q_p, kv_l, kv_r, kv_p, p_smem, alpha_smem, l_smem,
                                      ready, empty, p_ready, p_free, l_ready,
                                      b, h0, H, S, k_begin, k_end, n_tiles, out_row0, out_scale, stride_kv,
-                                     BK, STAGES, FP8)),
+                                     BK, STAGES, FP8, PREFETCH, NO_GATHER)),
             ], [4, 4], [160, 112])  # WORKER_REGS
 
         @triton.jit(do_not_specialize=["BH", "SPLITS"])
@@ -479,9 +548,20 @@ def sparse_mla_hopper(
     kv_scale: float | None = None,
     *,
     num_splits: int | None = None,
+    prefetch: int | None = None,
+    early_s: bool | None = None,
+    _compute_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``sparse_mla`` contract on the Hopper kernel (module docstring). ``num_splits``: K
-    splits (default :func:`default_splits`). No host sync; CUDA-graph capturable."""
+    """The ``sparse_mla`` contract on the Hopper kernel (module docstring). No host sync;
+    CUDA-graph capturable.
+
+    ``num_splits``: K splits (default :func:`default_splits`); ``prefetch``: how many key tiles
+    ahead the producer prefetches rows into L2 (default ``PREFETCH``; 0: none); ``early_s``: issue
+    the next tile's score product before waiting for this tile's ``P V`` (default ``EARLY_S``).
+    When none of the three is given on a CUDA device, they come from the measured dispatch table
+    (``hopper_tiles`` of the shape's entry, :mod:`dsa_dcp.kernels.dispatch`) where it has them.
+    ``_compute_only`` is a measurement aid: the producer releases every stage unfilled, so the
+    result is garbage and the time is the kernel's without its gathers."""
     _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
     B, H, _ = q_nope.shape
     K = topk.shape[1]
@@ -496,11 +576,25 @@ def sparse_mla_hopper(
         raise RuntimeError(f"{_OP}: cannot run here: {reason}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"{_OP}: num_splits must be >= 1, got {num_splits}")
+    if prefetch is not None and prefetch < 0:
+        raise ValueError(f"{_OP}: prefetch must be >= 0, got {prefetch}")
+    if num_splits is None and prefetch is None and early_s is None:
+        choice = dispatch.choose(H, B, K, kv.dtype, device)  # measured for this shape, if any
+        if choice is not None:
+            num_splits = choice.hopper_tiles.get("num_splits")
+            prefetch = choice.hopper_tiles.get("prefetch")
+            early_s = choice.hopper_tiles.get("early_s")
     tiles = cdiv(K, BLOCK_K)
     splits = min(num_splits or default_splits(B, H, K, _sm_count(device)), tiles)
     split_len = cdiv(tiles, splits) * BLOCK_K
     splits = cdiv(K, split_len)  # every split has at least one key
     fp8 = kv.dtype in FP8_KV_DTYPES
+    if prefetch is None:
+        prefetch = PREFETCH
+    if early_s is None:
+        early_s = EARLY_S
+    if prefetch and (kv.stride(0) * kv.element_size()) % 16:
+        prefetch = 0  # the bulk prefetch needs 16-byte aligned rows
     q_prescale = 1.0
     if fp8:
         mma_dtype = gl.float16
@@ -521,7 +615,8 @@ def sparse_mla_hopper(
         B, H, K, kv.shape[0], head_blocks, splits, split_len, float(sm_scale) * scale / q_prescale * math.log2(math.e), scale,
         q_prescale, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0),
         topk.stride(0),
-        BK=BLOCK_K, STAGES=STAGES, FP8=fp8, Q_PRESCALE=q_prescale != 1.0, MMA_DTYPE=mma_dtype,
+        BK=BLOCK_K, STAGES=STAGES, FP8=fp8, Q_PRESCALE=q_prescale != 1.0, MMA_DTYPE=mma_dtype, PREFETCH=prefetch,
+        EARLY_S=bool(early_s), NO_GATHER=bool(_compute_only),
         num_warps=4, maxnreg=MAX_REGS,
     )  # fmt: skip
     if splits == 1:
