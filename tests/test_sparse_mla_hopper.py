@@ -116,15 +116,16 @@ def test_matches_fp64_reference(case, H, kv_dtype):
 
 @gpu
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["bf16", "fp8"])
-@pytest.mark.parametrize("prefetch,early_s", [(0, True), (3, False), (2, True)])
-def test_pipeline_variants(prefetch, early_s, kv_dtype):
-    """The L2 prefetch distance and the early score product change timing only."""
+@pytest.mark.parametrize("prefetch,early_s,block_k", [(2, True, 64), (0, False, 32)])
+def test_pipeline_variants(prefetch, early_s, block_k, kv_dtype):
+    """The L2 prefetch distance, the early score product and the key tile (32 keys in four stages)
+    change timing only. K = 700 is not a multiple of either tile."""
     _need_kernel()
-    q_nope, q_pe, kv, topk, kv_scale = _inputs(prefetch * 2 + early_s, 3, 128, 700, 7000, kv_dtype, 0.1, (1,), 30)
+    q_nope, q_pe, kv, topk, kv_scale = _inputs(prefetch + block_k, 3, 128, 700, 7000, kv_dtype, 0.1, (1,), 30)
     ref = _reference(q_nope, q_pe, kv, topk, kv_scale)
-    for splits in (1, 2):
+    for splits in (1, 3):
         got = hopper.sparse_mla_hopper(q_nope, q_pe, kv, topk, SM_SCALE, kv_scale, num_splits=splits,
-                                       prefetch=prefetch, early_s=early_s)
+                                       prefetch=prefetch, early_s=early_s, block_k=block_k)
         _check(got, ref)
 
 
@@ -273,3 +274,27 @@ def test_default_splits_fill_the_gpu():
     assert hopper.default_splits(1, 64, 2048, 132) == 16  # two tiles a split at least
     assert hopper.default_splits(1, 64, 128, 132) == 1
     assert math.prod((hopper.default_splits(8, 128, 2048, 132), 8, 2)) <= 132
+
+
+@gpu
+def test_the_op_runs_the_table_choice_eagerly_and_in_a_graph():
+    """``torch.ops.dsa_dcp.sparse_mla`` on a shape the shipped table gives to the Hopper kernel
+    (when this is the device it was measured on): same answer eagerly and replayed."""
+    _need_kernel()
+    import dsa_dcp  # noqa: F401  registers the ops
+    from dsa_dcp.kernels import dispatch
+
+    B, H, K = 32, 64, 2048
+    choice = dispatch.choose(H, B, K, torch.bfloat16, torch.device("cuda"))
+    if choice is None or choice.graph_backend != "hopper":
+        pytest.skip("the shipped table does not give this shape to the Hopper kernel on this device")
+    q_nope, q_pe, kv, topk, _ = _inputs(41, B, H, K, 70000, torch.bfloat16, 0.1, (3,))
+    ref = _reference(q_nope, q_pe, kv, topk, None)
+    op = torch.ops.dsa_dcp.sparse_mla
+    _check(op(q_nope, q_pe, kv, topk, SM_SCALE), ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = op(q_nope, q_pe, kv, topk, SM_SCALE)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(captured, ref)

@@ -68,11 +68,13 @@ CANDIDATE_SETS = {
 }
 
 
-# The Hopper kernel's pipeline variants: L2 prefetch distance (key tiles) and the early score product.
+# The Hopper kernel's variants timed per shape: 64-key tiles in two stages, 32-key tiles in four.
+# (An L2 bulk prefetch of the rows two or three tiles ahead, and issuing the next tile's scores
+# before this tile's P V completes, were timed on all 48 shapes of docs/benchmarks.md and lost
+# everywhere: 0-29% and 0-8% slower. They stay launch options, off.)
 HOPPER_VARIANTS = [
-    dict(prefetch=2, early_s=False),
-    dict(prefetch=2, early_s=True),
-    dict(prefetch=0, early_s=False),
+    dict(block_k=64, prefetch=0, early_s=False),
+    dict(block_k=32, prefetch=0, early_s=False),
 ]
 
 

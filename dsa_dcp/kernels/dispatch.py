@@ -42,7 +42,7 @@ ENV = "DSA_DCP_SPARSE_MLA_TABLE"
 BACKENDS = ("triton", "hopper", "fa2", "fa3")
 GRAPH_BACKENDS = ("triton", "hopper")  # what can run inside a CUDA-graph capture
 TILE_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "num_splits", "key_major", "dc_split")
-HOPPER_TILE_KEYS = ("num_splits", "prefetch", "early_s")
+HOPPER_TILE_KEYS = ("num_splits", "prefetch", "early_s", "block_k")
 _NO_TILES = MappingProxyType({})
 
 

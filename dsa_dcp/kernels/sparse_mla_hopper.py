@@ -57,14 +57,19 @@ DC, DR = 512, 64
 BLOCK_H = 64  # heads of one CTA: the wgmma M
 BLOCK_K = 64  # keys of one tile
 STAGES = 2  # KV tiles in shared memory
-PREFETCH = 2  # key tiles ahead whose rows the producer prefetches into L2
-EARLY_S = False  # issue the next tile's scores before this tile's P V completes
+PIPELINES = {64: 2, 32: 4}  # key tile -> stages that fit the shared memory with Q and P
+PREFETCH = 0  # key tiles ahead whose rows the producer prefetches into L2 (measured: 2 and 3 are slower)
+EARLY_S = False  # issue the next tile's scores before this tile's P V completes (measured: slower)
 HALF = DC // 2  # output columns of one warp group
 WORKER_REGS = (160, 112)  # output group, producer; the softmax group gets 3 * 168 - 272 = 232
 MAX_REGS = 168  # per thread at launch for 12 warps (12 * 32 * 168 = 64512 <= 65536)
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 Q_DTYPES = (torch.bfloat16, torch.float16)
-SMEM_BYTES = 2 * (BLOCK_H * (DC + DR) + STAGES * BLOCK_K * (DC + DR) + BLOCK_H * BLOCK_K) + 4 * 2 * BLOCK_H
+
+def smem_bytes(block_k: int = BLOCK_K, stages: int = STAGES) -> int:
+    """Shared memory of one CTA: Q, the KV stages, P (16-bit), two rows of 64 floats."""
+    return 2 * (BLOCK_H * (DC + DR) + stages * block_k * (DC + DR) + BLOCK_H * block_k) + 4 * 2 * BLOCK_H
+
 TRITON_VERSION = "3.6"  # the Gluon API this module is written against
 ENV_FORCE = "DSA_DCP_HOPPER_KERNEL"  # "0": report unavailable (e.g. to compare backends)
 
@@ -316,9 +321,9 @@ if _IMPORT_ERROR is None:
                 dtype=gl.int32, is_pure=False, pack=1)
 
         @gluon.jit
-        def _tile_rows(topk_row, kv_ptr, k0, k_end, S, stride_kv, layout: gl.constexpr):
+        def _tile_rows(topk_row, kv_ptr, k0, k_end, S, stride_kv, layout: gl.constexpr, BK: gl.constexpr):
             """Row pointers of one key tile's KV rows (row 0 where skipped) and which are valid."""
-            offs = k0 + gl.arange(0, 64, layout)
+            offs = k0 + gl.arange(0, BK, layout)
             idx = gl.load(topk_row + offs, mask=offs < k_end, other=-1)
             valid = (idx >= 0) & (idx < S)
             return kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * stride_kv, valid
@@ -347,16 +352,16 @@ if _IMPORT_ERROR is None:
             cols = gl.arange(0, HALF, gl.SliceLayout(0, ll))
             cols_p = HALF * 2 + gl.arange(0, DR, gl.SliceLayout(0, lp))
             for t in gl.static_range(STAGES, PREFETCH):  # tiles past the first stages, not reached below
-                pf_rows, pf_ok = _tile_rows(topk_row, kv_ptr, k_begin + t * BK, k_end, S, stride_kv, pfl)
+                pf_rows, pf_ok = _tile_rows(topk_row, kv_ptr, k_begin + t * BK, k_end, S, stride_kv, pfl, BK)
                 _prefetch_rows_l2(pf_rows, pf_ok, row_bytes)
             # the next tile's row pointers are loaded a tile ahead (their index loads off the path)
-            rows, valid = _tile_rows(topk_row, kv_ptr, k_begin, k_end, S, stride_kv, gl.SliceLayout(1, ll))
-            rows_p, valid_p = _tile_rows(topk_row, kv_ptr, k_begin, k_end, S, stride_kv, gl.SliceLayout(1, lp))
+            rows, valid = _tile_rows(topk_row, kv_ptr, k_begin, k_end, S, stride_kv, gl.SliceLayout(1, ll), BK)
+            rows_p, valid_p = _tile_rows(topk_row, kv_ptr, k_begin, k_end, S, stride_kv, gl.SliceLayout(1, lp), BK)
             for j in range(n_tiles):
                 st = j % STAGES
                 k0 = k_begin + j * BK
                 if PREFETCH > 0:
-                    pf_rows, pf_ok = _tile_rows(topk_row, kv_ptr, k0 + PREFETCH * BK, k_end, S, stride_kv, pfl)
+                    pf_rows, pf_ok = _tile_rows(topk_row, kv_ptr, k0 + PREFETCH * BK, k_end, S, stride_kv, pfl, BK)
                     _prefetch_rows_l2(pf_rows, pf_ok, row_bytes)
                 ptr_l = rows[:, None] + cols[None, :]
                 ptr_p = rows_p[:, None] + cols_p[None, :]
@@ -369,9 +374,9 @@ if _IMPORT_ERROR is None:
                     xl = gl.load(ptr_l, mask=valid[:, None], other=0.0)
                     xr = gl.load(ptr_l + HALF, mask=valid[:, None], other=0.0)
                     xp = gl.load(ptr_p, mask=valid_p[:, None], other=0.0)
-                    rows, valid = _tile_rows(topk_row, kv_ptr, k0 + BK, k_end, S, stride_kv, gl.SliceLayout(1, ll))
+                    rows, valid = _tile_rows(topk_row, kv_ptr, k0 + BK, k_end, S, stride_kv, gl.SliceLayout(1, ll), BK)
                     rows_p, valid_p = _tile_rows(topk_row, kv_ptr, k0 + BK, k_end, S, stride_kv,
-                                                 gl.SliceLayout(1, lp))
+                                                 gl.SliceLayout(1, lp), BK)
                     mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
                     kv_l.index(st).store(xl.to(gl.float16))
                     kv_r.index(st).store(xr.to(gl.float16))
@@ -386,9 +391,9 @@ if _IMPORT_ERROR is None:
                     async_copy.async_copy_global_to_shared(kv_p.index(st), ptr_p, mask=valid_p[:, None])
                     # every producer thread arrives when its own copies have landed
                     async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
-                    rows, valid = _tile_rows(topk_row, kv_ptr, k0 + BK, k_end, S, stride_kv, gl.SliceLayout(1, ll))
+                    rows, valid = _tile_rows(topk_row, kv_ptr, k0 + BK, k_end, S, stride_kv, gl.SliceLayout(1, ll), BK)
                     rows_p, valid_p = _tile_rows(topk_row, kv_ptr, k0 + BK, k_end, S, stride_kv,
-                                                 gl.SliceLayout(1, lp))
+                                                 gl.SliceLayout(1, lp), BK)
 
         # sizes are not specialized (one compile serves every B, H, K, S); strides are (alignment)
         @gluon.jit(do_not_specialize=["B", "H", "K", "S", "HB", "SPLITS", "split_len"])
@@ -501,14 +506,14 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def default_splits(B: int, H: int, K: int, sms: int) -> int:
+def default_splits(B: int, H: int, K: int, sms: int, block_k: int = BLOCK_K) -> int:
     """K splits for ``B * ceil(H / 64)`` CTAs on ``sms`` multiprocessors (one CTA fits an SM):
     none when the CTAs fill at least 3/4 of the GPU, else enough to fill it once, each split
     keeping two key tiles or more."""
     ctas = B * cdiv(H, BLOCK_H)
     if 4 * ctas >= 3 * sms:
         return 1
-    return max(1, min(sms // ctas, cdiv(K, 2 * BLOCK_K)))
+    return max(1, min(sms // ctas, cdiv(K, 2 * block_k)))
 
 
 def _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale) -> None:
@@ -550,6 +555,7 @@ def sparse_mla_hopper(
     num_splits: int | None = None,
     prefetch: int | None = None,
     early_s: bool | None = None,
+    block_k: int | None = None,
     _compute_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``sparse_mla`` contract on the Hopper kernel (module docstring). No host sync;
@@ -557,8 +563,9 @@ def sparse_mla_hopper(
 
     ``num_splits``: K splits (default :func:`default_splits`); ``prefetch``: how many key tiles
     ahead the producer prefetches rows into L2 (default ``PREFETCH``; 0: none); ``early_s``: issue
-    the next tile's score product before waiting for this tile's ``P V`` (default ``EARLY_S``).
-    When none of the three is given on a CUDA device, they come from the measured dispatch table
+    the next tile's score product before waiting for this tile's ``P V`` (default ``EARLY_S``);
+    ``block_k``: keys of a tile, 64 (two stages) or 32 (four stages; default ``BLOCK_K``).
+    When none of the four is given on a CUDA device, they come from the measured dispatch table
     (``hopper_tiles`` of the shape's entry, :mod:`dsa_dcp.kernels.dispatch`) where it has them.
     ``_compute_only`` is a measurement aid: the producer releases every stage unfilled, so the
     result is garbage and the time is the kernel's without its gathers."""
@@ -578,15 +585,19 @@ def sparse_mla_hopper(
         raise ValueError(f"{_OP}: num_splits must be >= 1, got {num_splits}")
     if prefetch is not None and prefetch < 0:
         raise ValueError(f"{_OP}: prefetch must be >= 0, got {prefetch}")
-    if num_splits is None and prefetch is None and early_s is None:
+    if num_splits is None and prefetch is None and early_s is None and block_k is None:
         choice = dispatch.choose(H, B, K, kv.dtype, device)  # measured for this shape, if any
         if choice is not None:
             num_splits = choice.hopper_tiles.get("num_splits")
             prefetch = choice.hopper_tiles.get("prefetch")
             early_s = choice.hopper_tiles.get("early_s")
-    tiles = cdiv(K, BLOCK_K)
-    splits = min(num_splits or default_splits(B, H, K, _sm_count(device)), tiles)
-    split_len = cdiv(tiles, splits) * BLOCK_K
+            block_k = choice.hopper_tiles.get("block_k")
+    block_k = block_k or BLOCK_K
+    if block_k not in PIPELINES:
+        raise ValueError(f"{_OP}: block_k must be one of {sorted(PIPELINES)}, got {block_k}")
+    tiles = cdiv(K, block_k)
+    splits = min(num_splits or default_splits(B, H, K, _sm_count(device), block_k), tiles)
+    split_len = cdiv(tiles, splits) * block_k
     splits = cdiv(K, split_len)  # every split has at least one key
     fp8 = kv.dtype in FP8_KV_DTYPES
     if prefetch is None:
@@ -615,7 +626,7 @@ def sparse_mla_hopper(
         B, H, K, kv.shape[0], head_blocks, splits, split_len, float(sm_scale) * scale / q_prescale * math.log2(math.e), scale,
         q_prescale, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0),
         topk.stride(0),
-        BK=BLOCK_K, STAGES=STAGES, FP8=fp8, Q_PRESCALE=q_prescale != 1.0, MMA_DTYPE=mma_dtype, PREFETCH=prefetch,
+        BK=block_k, STAGES=PIPELINES[block_k], FP8=fp8, Q_PRESCALE=q_prescale != 1.0, MMA_DTYPE=mma_dtype, PREFETCH=prefetch,
         EARLY_S=bool(early_s), NO_GATHER=bool(_compute_only),
         num_warps=4, maxnreg=MAX_REGS,
     )  # fmt: skip
