@@ -71,7 +71,7 @@ CANDIDATE_SETS = {
 # The Hopper kernel's variants timed per shape: 64-key tiles in two stages, 32-key tiles in four.
 # (An L2 bulk prefetch of the rows two or three tiles ahead, and issuing the next tile's scores
 # before this tile's P V completes, were timed on all 48 shapes of docs/benchmarks.md and lost
-# everywhere: 0-29% and 0-8% slower. They stay launch options, off.)
+# everywhere: 0-29% and 0-8% slower. They stay launch options, off; pass them to time them.)
 HOPPER_VARIANTS = [
     dict(block_k=64, prefetch=0, early_s=False),
     dict(block_k=32, prefetch=0, early_s=False),
@@ -194,7 +194,8 @@ def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kv
 
 
 def merge_entries(table: dict, entries: list[dict], command: str) -> dict:
-    """``table`` with ``entries`` in place of its entries for the same (H, B, K, kv); the rest kept."""
+    """``table`` with ``entries`` in place of its entries for the same (H, B, K, kv); the rest kept.
+    (``command`` should say what the updating run had: its versions may differ from the table's.)"""
     from dsa_dcp.kernels import dispatch
 
     dispatch.validate_table(table, "the table to update")
@@ -223,5 +224,6 @@ def main(kvs: tuple[str, ...], write_table: str | None, shapes: dict | None = No
         if old.get("device") != table["device"]:
             raise ValueError(f"{update_table} was measured on {old.get('device')!r}, not {table['device']!r}")
         with open(update_table, "w") as f:
-            f.write(json.dumps(merge_entries(old, entries, command), indent=1) + "\n")
+            run = f"{command} ({', '.join(f'{k} {v}' for k, v in versions().items())}, {time.strftime('%Y-%m-%d')})"
+            f.write(json.dumps(merge_entries(old, entries, run), indent=1) + "\n")
     return 0

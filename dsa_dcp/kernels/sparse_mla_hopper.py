@@ -1,44 +1,65 @@
 """Sparse MLA decode for Hopper (sm_90a), written in Gluon below Triton's ``tl.dot``.
 
 Same contract as :mod:`dsa_dcp.kernels.sparse_mla` (``sparse_mla_hopper`` has the signature of
-``sparse_mla_triton``): ``q_nope[B, H, 512]``, ``q_pe[B, H, 64]``, ``kv[S, 576]`` (bf16, or FP8
-E4M3 with a per-tensor ``kv_scale``), ``topk[B, K]`` slot ids (negative entries and entries
-``>= S`` skipped), ``sm_scale``; returns ``out[B, H, 512]`` in ``q_nope``'s dtype and
-``lse[B, H]`` fp32, natural log. A row with no valid slot gives ``out = 0``, ``lse = -inf``; a
-NaN in a query or in a KV row the top-k names gives that row NaN ``out`` and NaN ``lse``.
+``sparse_mla_triton`` plus its own launch options): ``q_nope[B, H, 512]``, ``q_pe[B, H, 64]``,
+``kv[S, 576]`` (the queries' dtype, or FP8 E4M3 with a per-tensor ``kv_scale``), ``topk[B, K]``
+int32/int64 slot ids (negative entries and entries ``>= S`` skipped: page size 1), ``sm_scale``;
+returns ``out[B, H, 512]`` in ``q_nope``'s dtype and ``lse[B, H]`` fp32, natural log. A row with
+no valid slot gives ``out = 0``, ``lse = -inf``; a NaN in a query or in a KV row the top-k names
+gives that row NaN ``out`` and NaN ``lse`` (NaN is never turned into an empty row).
 
-Design (one CTA per request ``b``, 64-head block and K split; 12 warps in three roles)::
+Design (one CTA per request ``b``, 64-head block and K split; 12 warps in three roles, each a
+``gl.warp_specialize`` partition, talking through mbarriers)::
 
-    producer (4 warps)      gathers the 64 KV rows of a key tile into a ring of 2 shared-memory
-                            stages: BF16 with cp.async (16 B a thread, zero-fill for skipped
-                            entries, completion counted on the stage's mbarrier by every
-                            producer thread), FP8 with plain loads widened to fp16 in registers
-                            and stored (exact: every E4M3 value is an fp16 value)
+    producer (4 warps)      gathers the KV rows of each 64-key tile into a ring of 2 shared-memory
+                            stages (latent halves and rope in three NVMMA-swizzled buffers): BF16
+                            with cp.async (16 B a thread, zero-fill for skipped entries, every
+                            producer thread arrives on the stage's mbarrier when its copies land),
+                            FP8 with loads widened to fp16 in registers and stored (exact: every
+                            E4M3 value is an fp16 value); the next tile's indices are loaded a
+                            tile ahead
     softmax group (4 warps) S = Q K^T once per tile (wgmma 64 x 64 over the 576 columns: three
-                            products, latent halves and rope, Q in shared memory), online
-                            softmax in fp32 (exp2, scale folded), P to shared memory for the
-                            other group, then O[:, :256] += P V[:, :256] with P from registers
-    output group (4 warps)  O[:, 256:] += P V[:, 256:] with P from shared memory, after
-                            rescaling by the tile's correction factor the softmax group
-                            shares (64 floats)
+                            products, latent halves and rope, Q in shared memory), online softmax
+                            in fp32 (exp2, the scale folded in), P and the tile's correction factor
+                            to shared memory for the output group, then O[:, :256] += P V[:, :256]
+                            with P from registers
+    output group (4 warps)  O[:, 256:] += P V[:, 256:] with P from shared memory, after rescaling
+                            by the correction factor the softmax group shared (64 floats)
 
-so the score tile is computed once and the 64 x 512 fp32 accumulator is split by output columns
-across two warp groups (128 registers a thread each). Shared memory: Q 72 KB, two KV stages of
-72 KB, P 8 KB (229 KB of the 227 KB... see ``SMEM_BYTES``). A 128-head request runs as two CTAs
-with consecutive ids, so the second one's gathers mostly hit L2. When ``B * ceil(H / 64)`` CTAs
-fill less of the GPU than ``min_fill`` (launcher), K is split in whole tiles over several CTAs
-that write fp32 partials ``(out, lse)`` and a second kernel merges them by log-sum-exp (a split
-with NaN LSE makes the row NaN, a split with no key weighs 0).
+so the score tile is computed once, and the 64 x 512 fp32 accumulator is split by output
+columns over two warp groups (128 registers a thread each; registers: softmax group 232, output
+group 160, producer 112). Shared memory: Q 72 KB, two KV stages of 72 KB, P 8 KB: 224.5 KB of the
+227 KB a CTA may have (:func:`smem_bytes`), so one CTA an SM. A 128-head request runs as two CTAs
+with neighbouring ids, so the second one's gathers mostly hit L2. When ``B * ceil(H / 64)`` CTAs
+fill less than 3/4 of the GPU, K is split in whole tiles over several CTAs that write fp32
+partials ``(out, lse)``, and a second (Triton) kernel merges them by log-sum-exp: a split with
+NaN LSE makes the row NaN, a split with no valid key weighs 0, all splits empty give (0, -inf).
 
-Precision: BF16 KV: products in bf16 with fp32 accumulation, P rounded to bf16 for ``P V``
-(as FlashAttention/FlashMLA). FP8 KV: the KV is widened exactly to fp16, the queries go to fp16
-scaled by 2^-8 (undone in the score scale: no overflow below |q| = 2^24), P is rounded to fp16;
-``kv_scale`` multiplies the scores and the output once.
+Launch options (``num_splits``, ``block_k``, ``prefetch``, ``early_s``) come from the measured
+dispatch table when none is given. ``block_k=32`` runs 32-key tiles in four stages (the same
+shared memory, three tiles in flight instead of one); ``prefetch=n`` prefetches the rows of the
+tile n ahead into L2 (``cp.async.bulk.prefetch.L2``); ``early_s`` issues the next tile's score
+product before waiting for this tile's ``P V``. Measured on the H200 (docs/benchmarks.md): the
+prefetch and the early scores are slower on every shape, 32-key tiles slower for BF16 and equal
+for FP8; the defaults are 64-key tiles, no prefetch, no early scores.
 
-Limits: Hopper only (compute capability 9.0) with Triton 3.6's Gluon (:func:`available`);
-``Dc = 512`` and ``Dr = 64``; bf16 or fp16 queries; any H (blocks of 64 heads, the rest of a
-block masked: H = 16 or 32 compute a whole 64-head tile); any K (the last tile masked); no
-autograd. Under the Triton interpreter or on CPU tensors it refuses (use the Triton kernel).
+Precision: BF16 KV: products in bf16 with fp32 accumulation, P rounded to bf16 for ``P V`` (as
+FlashAttention and FlashMLA). FP8 KV: no FP8 tensor-core products (they would need FP8 queries
+and P, and V transposed in shared memory); the KV is widened exactly to fp16, bf16 queries go to
+fp16 scaled by 2^-8 (exact in bf16; undone in the score scale: no overflow below |q| = 2^24),
+P is rounded to fp16; ``kv_scale`` multiplies the scores and the output once. Measured against
+the fp64 reference on the same (dequantized) values, both KV dtypes, bf16 output: max |error| /
+max |out| 2.5e-3 to 3.1e-3 (bf16 output rounding is 2^-9 = 2e-3), LSE within 3.3e-6.
+
+Limits: Hopper only (compute capability 9.0) with Triton 3.6's Gluon (:func:`available` says
+why not elsewhere); ``Dc = 512`` and ``Dr = 64``; bf16 or fp16 queries (both the same dtype);
+any H (blocks of 64 heads: H = 16 or 32 compute a whole masked 64-head tile), any K (the last
+tile masked), any S below 2^31; no autograd. It does not run under the Triton interpreter or on
+CPU tensors (the Triton kernel is the CPU-tested implementation of the same contract). Speed,
+measured: 1.2-2.5x the Triton kernel from B = 8 up and slower than it at B = 1 with K <= 1024;
+at B = 128 about 0.9-0.98x of FlashInfer's fa3 (BF16 KV). FP8 KV is not faster than BF16 KV: the
+producer widens a tile in registers, so only one tile is in flight, and the consumer groups,
+not the bytes, bound the time at large B.
 """
 
 from __future__ import annotations
@@ -65,13 +86,14 @@ WORKER_REGS = (160, 112)  # output group, producer; the softmax group gets 3 * 1
 MAX_REGS = 168  # per thread at launch for 12 warps (12 * 32 * 168 = 64512 <= 65536)
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 Q_DTYPES = (torch.bfloat16, torch.float16)
-
-def smem_bytes(block_k: int = BLOCK_K, stages: int = STAGES) -> int:
-    """Shared memory of one CTA: Q, the KV stages, P (16-bit), two rows of 64 floats."""
-    return 2 * (BLOCK_H * (DC + DR) + stages * block_k * (DC + DR) + BLOCK_H * block_k) + 4 * 2 * BLOCK_H
-
 TRITON_VERSION = "3.6"  # the Gluon API this module is written against
 ENV_FORCE = "DSA_DCP_HOPPER_KERNEL"  # "0": report unavailable (e.g. to compare backends)
+
+
+def smem_bytes(block_k: int = BLOCK_K, stages: int = STAGES) -> int:
+    """Shared memory of one CTA: Q, the KV stages, P (16-bit), two rows of 64 floats (the
+    compiled kernel adds its mbarriers: 230,208 bytes at 64-key tiles, 226,144 at 32)."""
+    return 2 * (BLOCK_H * (DC + DR) + stages * block_k * (DC + DR) + BLOCK_H * block_k) + 4 * 2 * BLOCK_H
 
 _IMPORT_ERROR: str | None = None
 try:  # Gluon exists in triton >= 3.4; its API moves between releases, so any failure means "not here"
