@@ -260,6 +260,10 @@ def test_bad_inputs_are_refused():
         hopper.sparse_mla_hopper(q, qp, kv, t.float(), 0.1)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         hopper.sparse_mla_hopper(q.float(), qp.float(), kv.float(), t, 0.1)
+    odd = torch.zeros(10, DC + DR + 1, dtype=torch.bfloat16)[:, :DC + DR]  # rows 1154 bytes apart
+    with pytest.raises(ValueError, match="16-byte boundaries"):
+        hopper.sparse_mla_hopper(q, qp, odd, t, 0.1)
+    assert not hopper.supports(q, qp, odd) and hopper.supports(q, qp, kv)
     empty = hopper.sparse_mla_hopper(q, qp, kv, t[:, :0], 0.1)  # K = 0: no launch
     assert (empty[0] == 0).all() and torch.isneginf(empty[1]).all()
     if hopper.unavailable_reason() is not None:

@@ -54,7 +54,7 @@ max |out| 2.5e-3 to 3.1e-3 (bf16 output rounding is 2^-9 = 2e-3), LSE within 3.3
 Limits: Hopper only (compute capability 9.0) with Triton 3.6's Gluon (:func:`available` says
 why not elsewhere); ``Dc = 512`` and ``Dr = 64``; bf16 or fp16 queries (both the same dtype);
 any H (blocks of 64 heads: H = 16 or 32 compute a whole masked 64-head tile), any K (the last
-tile masked), any S below 2^31; no autograd. It does not run under the Triton interpreter or on
+tile masked), any S below 2^31; KV rows on 16-byte boundaries; no autograd. It does not run under the Triton interpreter or on
 CPU tensors (the Triton kernel is the CPU-tested implementation of the same contract). Speed,
 measured: 1.2-2.5x the Triton kernel from B = 8 up and slower than it at B = 1 with K <= 1024;
 at B = 128 about 0.9-0.98x of FlashInfer's fa3 (BF16 KV). FP8 KV is not faster than BF16 KV: the
@@ -153,6 +153,7 @@ def supports(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> bool
         and q_nope.dtype in Q_DTYPES
         and q_pe.dtype == q_nope.dtype
         and (kv.dtype == q_nope.dtype or kv.dtype in FP8_KV_DTYPES)
+        and _rows_aligned(kv)
     )
 
 
@@ -538,6 +539,14 @@ def default_splits(B: int, H: int, K: int, sms: int, block_k: int = BLOCK_K) -> 
     return max(1, min(sms // ctas, cdiv(K, 2 * block_k)))
 
 
+def _rows_aligned(kv: torch.Tensor) -> bool:
+    """Whether every KV row starts on a 16-byte boundary: the gathers copy 16 bytes a thread (a
+    KV whose last dim is strided is copied by the launcher, and so aligned)."""
+    if kv.dim() != 2 or kv.stride(-1) != 1:
+        return True
+    return (kv.stride(0) * kv.element_size()) % 16 == 0 and kv.data_ptr() % 16 == 0
+
+
 def _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale) -> None:
     for name, t, nd in (("q_nope", q_nope, 3), ("q_pe", q_pe, 3), ("kv", kv, 2), ("topk", topk, 2)):
         if not isinstance(t, torch.Tensor) or t.dim() != nd:
@@ -562,6 +571,9 @@ def _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale) -> None:
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise ValueError(f"{_OP}: sm_scale must be a Python float, got {sm_scale!r}")
     check_same_device(_OP, q_nope=q_nope, q_pe=q_pe, kv=kv, topk=topk)
+    if not _rows_aligned(kv):
+        raise ValueError(f"{_OP}: kv rows must start on 16-byte boundaries (row stride {kv.stride(0)} "
+                         f"elements of {kv.element_size()} bytes, data at {kv.data_ptr() % 16} mod 16)")
     if kv.shape[0] >= 2**31:
         raise ValueError(f"{_OP}: at most 2^31 - 1 KV rows (int32 slot ids), got {kv.shape[0]}")
 
@@ -626,8 +638,6 @@ def sparse_mla_hopper(
         prefetch = PREFETCH
     if early_s is None:
         early_s = EARLY_S
-    if prefetch and (kv.stride(0) * kv.element_size()) % 16:
-        prefetch = 0  # the bulk prefetch needs 16-byte aligned rows
     q_prescale = 1.0
     if fp8:
         mma_dtype = gl.float16
