@@ -95,11 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     kernels.add_argument("--write-table", metavar="PATH", help="with --tune: write the dispatch table here")
     kernels.add_argument("--update-table", metavar="PATH",
                          help="with --tune: replace the tuned shapes' entries in the table at PATH, keep the rest")
-    kernels.add_argument("--heads", type=int, nargs="+", help="with --tune: head counts (default 64 128)")
-    kernels.add_argument("--batches", type=int, nargs="+", help="with --tune: batch sizes (default 1 8 32 128)")
-    kernels.add_argument("--ks", type=int, nargs="+", help="with --tune: top-k lengths (default 512 2048)")
-    kernels.add_argument("--candidates", choices=["all", "key-major", "dc-split"],
-                         help="with --tune: the tile set timed beside the shipped choice (default all)")
+    kernels.add_argument("--heads", type=int, nargs="+", help="sparse_mla head counts (default 64 128)")
+    kernels.add_argument("--batches", type=int, nargs="+", help="sparse_mla batch sizes (default 1 8 32 128)")
+    kernels.add_argument("--ks", type=int, nargs="+",
+                         help="sparse_mla top-k lengths (default 512 1024 2048; with --tune 512 2048)")
+    kernels.add_argument("--candidates", choices=["all", "key-major", "dc-split", "hopper"],
+                         help="with --tune: the Triton tile set timed beside the shipped choice (default all; "
+                              "hopper: none, only the Hopper kernel's split counts)")
     kernels.set_defaults(func=_bench_kernels)
     insp = sub.add_parser("inspect", help="show what the compiler does to a model: passes, collectives, memory, dataflow",
                           description="Compile TARGET for rank 0 of an N-rank DCP group in this process (a fake "

@@ -114,19 +114,26 @@ def sparse_mla(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale:
 
 @sparse_mla.register_kernel("cuda")
 def _sparse_mla_cuda(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
-    from dsa_dcp.kernels import dispatch, flashinfer_mla
+    from dsa_dcp.kernels import dispatch, flashinfer_mla, sparse_mla_hopper
 
-    # The measured table (kernels/dispatch.py) picks FlashInfer only where it was faster as this op
-    # (plan and index packing included); FlashInfer plans on the host, so never inside a
-    # CUDA-graph capture. Without a table entry the Triton kernel runs.
-    if not torch.cuda.is_current_stream_capturing() and flashinfer_mla.available() and flashinfer_mla.supports(
-        q_nope, q_pe, kv
-    ):
-        choice = dispatch.choose(q_nope.shape[1], q_nope.shape[0], topk.shape[1], kv.dtype, q_nope.device)
-        if choice is not None and choice.backend != "triton":
-            return flashinfer_mla.sparse_mla_flashinfer(q_nope, q_pe, kv, topk, sm_scale, backend=choice.backend)
-        if choice is not None:  # the table's tiles, so the kernel need not look them up again
-            return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale, **choice.tiles)
+    # The measured table (kernels/dispatch.py) picks per shape: uncaptured, the fastest op among
+    # Triton, the Hopper kernel and FlashInfer (plan and index packing included); inside a
+    # CUDA-graph capture the faster of Triton and Hopper in a graph (FlashInfer plans on the host).
+    # A backend that cannot run here falls back to the Triton kernel; no table entry: Triton.
+    B, H, _ = q_nope.shape
+    choice = dispatch.choose(H, B, topk.shape[1], kv.dtype, q_nope.device)
+    backend = dispatch.runnable_backend(
+        choice,
+        torch.cuda.is_current_stream_capturing(),
+        flashinfer_ok=lambda: flashinfer_mla.available() and flashinfer_mla.supports(q_nope, q_pe, kv),
+        hopper_ok=lambda: sparse_mla_hopper.available(q_nope.device) and sparse_mla_hopper.supports(q_nope, q_pe, kv),
+    )
+    if backend in ("fa2", "fa3"):
+        return flashinfer_mla.sparse_mla_flashinfer(q_nope, q_pe, kv, topk, sm_scale, backend=backend)
+    if backend == "hopper":
+        return sparse_mla_hopper.sparse_mla_hopper(q_nope, q_pe, kv, topk, sm_scale, **choice.hopper_tiles)
+    if choice is not None:  # the table's tiles, so the kernel need not look them up again
+        return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale, **choice.tiles)
     return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale)
 
 

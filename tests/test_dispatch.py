@@ -101,3 +101,73 @@ def test_shipped_table_is_well_formed():
         pytest.skip("no table shipped")
     t = dispatch.validate_table(json.loads(dispatch.TABLE_PATH.read_text()), str(dispatch.TABLE_PATH))
     assert t["entries"], "an empty table"
+
+
+def test_lookup_reads_the_captured_choice_and_the_hopper_tiles():
+    t = _table()
+    t["entries"][0].update(backend="hopper", graph_backend="hopper", hopper_tiles={"num_splits": 8, "block_k": 32})
+    t["entries"][2].update(backend="fa3", graph_backend="hopper", hopper_tiles={"num_splits": 2})
+    dispatch.validate_table(t, "t")
+    first = dispatch.lookup(t, "GPU-X", 64, 1, 512, "bf16")
+    assert (first.backend, first.graph_backend, dict(first.hopper_tiles)) == ("hopper", "hopper",
+                                                                              {"num_splits": 8, "block_k": 32})
+    assert first.tiles["block_h"] == 64  # the Triton tiles stay beside them (the fallback)
+    fa = dispatch.lookup(t, "GPU-X", 64, 8, 512, "bf16")
+    assert (fa.backend, fa.graph_backend) == ("fa3", "hopper")
+    # an entry of an older table (no graph_backend): captured on its backend if it can be, else on Triton
+    old_fa = dispatch.lookup(t, "GPU-X", 64, 8, 2048, "bf16")
+    assert (old_fa.backend, old_fa.graph_backend, dict(old_fa.hopper_tiles)) == ("fa3", "triton", {})
+    old_triton = dispatch.lookup(t, "GPU-X", 64, 128, 512, "bf16")
+    assert (old_triton.backend, old_triton.graph_backend) == ("triton", "triton")
+
+
+def _choice(backend, graph_backend):
+    return dispatch.Choice(backend, dispatch.MappingProxyType({}), graph_backend)
+
+
+def _never():
+    raise AssertionError("asked about a backend that is not the choice")
+
+
+@pytest.mark.parametrize("backend,graph_backend,capturing,fi,hop,expect", [
+    ("hopper", "hopper", False, False, True, "hopper"),
+    ("hopper", "hopper", True, False, True, "hopper"),
+    ("hopper", "hopper", False, False, False, "triton"),  # Hopper kernel cannot run here
+    ("fa3", "hopper", False, True, True, "fa3"),
+    ("fa3", "hopper", True, True, True, "hopper"),  # FlashInfer plans on the host: never captured
+    ("fa2", "hopper", False, False, True, "hopper"),  # FlashInfer not installed: the captured choice
+    ("fa2", "hopper", False, False, False, "triton"),
+    ("triton", "hopper", False, True, True, "triton"),
+    ("triton", "triton", True, True, True, "triton"),
+])  # fmt: skip
+def test_runnable_backend(backend, graph_backend, capturing, fi, hop, expect):
+    got = dispatch.runnable_backend(_choice(backend, graph_backend), capturing,
+                                    flashinfer_ok=lambda: fi, hopper_ok=lambda: hop)
+    assert got == expect
+
+
+def test_runnable_backend_asks_only_about_the_choice():
+    assert dispatch.runnable_backend(None, False, _never, _never) == "triton"
+    assert dispatch.runnable_backend(_choice("triton", "triton"), False, _never, _never) == "triton"
+    assert dispatch.runnable_backend(_choice("hopper", "hopper"), False, _never, lambda: True) == "hopper"
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda t: t["entries"][0].update(graph_backend="fa3"), "entry 0 has graph_backend 'fa3'"),
+    (lambda t: t["entries"][1].update(hopper_tiles={"block_h": 64}), r"entry 1 has unknown hopper tile keys \['block_h'\]"),
+])  # fmt: skip
+def test_malformed_hopper_fields_are_refused(mutate, match):
+    t = _table()
+    mutate(t)
+    with pytest.raises(ValueError, match=match):
+        dispatch.validate_table(t, "t")
+
+
+def test_shipped_table_captures_only_what_can_be_captured():
+    if not dispatch.TABLE_PATH.exists():
+        pytest.skip("no table shipped")
+    t = dispatch.validate_table(json.loads(dispatch.TABLE_PATH.read_text()), str(dispatch.TABLE_PATH))
+    for e in t["entries"]:
+        assert e.get("graph_backend", "triton") in dispatch.GRAPH_BACKENDS
+        if "hopper" in (e["backend"], e.get("graph_backend")):
+            assert e.get("hopper_tiles"), e

@@ -16,11 +16,15 @@ Kernels:
   the floor: one torch elementwise kernel (``add``) over the same top-k, in a graph, the least
   any kernel that reads the row and writes a row costs there.
 - ``lse_combine``: ours vs torch eager; H/N heads of D = 512 (H = 64).
-- ``sparse_mla``: our Triton decode kernel (BF16 KV and FP8 E4M3 KV with a per-tensor scale) vs
-  FlashInfer's MLA wrapper (fa2, fa3) used as sparse attention (page_size 1, kv_indices = the
-  top-k; ``plan()`` outside the timed region, as a server plans once per step). "op" columns
-  time the whole ``sparse_mla`` call through each backend as the op runs it uncaptured
-  (FlashInfer's includes the index packing and ``plan()``, which syncs with the host).
+- ``sparse_mla``: our Triton decode kernel and the Hopper (Gluon) kernel
+  (:mod:`dsa_dcp.kernels.sparse_mla_hopper`, where it can run; BF16 KV and FP8 E4M3 KV with a
+  per-tensor scale) vs FlashInfer's MLA wrapper (fa2, fa3) used as sparse attention (page_size 1,
+  kv_indices = the top-k; ``plan()`` outside the timed region, as a server plans once per step).
+  "op" columns time the whole ``sparse_mla`` call through each backend as the op runs it
+  uncaptured (FlashInfer's includes the index packing and ``plan()``, which syncs with the host).
+  Beside each graph time: achieved TFLOPS (``2 B H K (576 + 512)`` FLOPs) and GB/s (the gathered
+  KV rows, the queries and the output, each moved once); the device's own limits (a large
+  device-to-device copy, a large bf16 matrix product) are measured once and printed with them.
 
 ``--tune`` (:mod:`dsa_dcp.bench.tune`) times Triton tile candidates per shape (in graph) and
 each backend as the op (eager), and ``--write-table`` writes the winners for
@@ -135,6 +139,7 @@ class MlaCase:
         self.sm_scale = 192**-0.5
         self.kv_scale = scale_fp8 if kv == "fp8" else None
         self.bytes = b * k * (DC + DR) * cache.element_size() + 2 * b * h * (DC + DR) * 2
+        self.flops = 2 * b * h * k * (DC + DR + DC)  # scores over 576 columns, values over 512
 
     def reference(self):
         from dsa_dcp.kernels import sparse_mla_reference
@@ -146,6 +151,13 @@ class MlaCase:
 
         return lambda: sparse_mla_triton(
             self.q_nope, self.q_pe, self.caches[view], self.topk, self.sm_scale, self.kv_scale, **tiles
+        )
+
+    def hopper(self, view: int = 0, **kw):
+        from dsa_dcp.kernels.sparse_mla_hopper import sparse_mla_hopper
+
+        return lambda: sparse_mla_hopper(
+            self.q_nope, self.q_pe, self.caches[view], self.topk, self.sm_scale, self.kv_scale, **kw
         )
 
     def flashinfer_op(self, backend: str):
@@ -207,16 +219,46 @@ def mla_cases(heads, batches, ks, kvs):
         yield case, case.reference()
 
 
-def bench_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 2048), kvs=("bf16", "fp8")) -> list[dict]:
-    have_fi = importlib.util.find_spec("flashinfer") is not None
+def _rates(row: dict, name: str, case: "MlaCase") -> None:
+    """TFLOPS and GB/s of backend ``name`` from its graph time."""
+    us = row.get(f"{name}_graph_us")
+    if us:
+        row[f"{name}_TFLOPS"] = case.flops / us / 1e6
+        row[f"{name}_GBps"] = case.bytes / us / 1e3
+
+
+def _checked(name: str, fn, ref, row: dict) -> bool:
+    """Check a backend against the reference; a wrong result is recorded in the row (and the
+    backend not timed) rather than stopping the bench."""
+    try:
+        check_mla(name, fn(), ref)
+        return True
+    except AssertionError as e:
+        row[f"{name}_error"] = f"wrong result: {e}"
+        print(f"# {name} WRONG at {row['kv']} H={row['H']} B={row['B']} K={row['K']}: {e}", file=sys.stderr)
+        return False
+
+
+def bench_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 2048), kvs=("bf16", "fp8"),
+                     backends=("triton", "hopper", "flashinfer"), eager: bool = True) -> list[dict]:
+    """One row per shape; ``backends`` limits what is timed, ``eager=False`` times in graph only."""
+    from dsa_dcp.kernels import sparse_mla_hopper
+
+    have_fi = "flashinfer" in backends and importlib.util.find_spec("flashinfer") is not None
+    have_hopper = "hopper" in backends and sparse_mla_hopper.available()
+    timed = median_us if eager else (lambda fn: None)
+    if not have_hopper:
+        print(f"# hopper kernel not timed: {sparse_mla_hopper.unavailable_reason()}", file=sys.stderr)
     rows = []
     for case, ref in mla_cases(heads, batches, ks, kvs):
         kv, h, b, k = case.kv, case.h, case.b, case.k
-        row = {"kernel": "sparse_mla", "H": h, "B": b, "K": k, "kv": kv, "bytes": case.bytes}
-        check_mla("triton", case.triton()(), ref)
-        row["triton_us"] = median_us(case.triton())
-        row["triton_graph_us"] = in_graph_us([case.triton(v) for v in range(case.views)])
-        row["triton_GBps"] = case.bytes / row["triton_graph_us"] / 1e3
+        row = {"kernel": "sparse_mla", "H": h, "B": b, "K": k, "kv": kv, "bytes": case.bytes, "flops": case.flops}
+        if "triton" in backends and _checked("triton", case.triton(), ref, row):
+            row["triton_us"] = timed(case.triton())
+            row["triton_graph_us"] = in_graph_us([case.triton(v) for v in range(case.views)])
+        if have_hopper and _checked("hopper", case.hopper(), ref, row):
+            row["hopper_us"] = timed(case.hopper())
+            row["hopper_graph_us"] = in_graph_us([case.hopper(v) for v in range(case.views)])
         if have_fi and kv == "bf16":
             for backend in ("fa2", "fa3"):
                 runs = case.flashinfer_runs(backend, graph=False)
@@ -227,12 +269,34 @@ def bench_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 20
                 check_mla(f"{backend} op", op(), ref)
                 row[f"{backend}_op_us"] = median_us(op)
             best = min((row[c] for c in ("fa2_graph_us", "fa3_graph_us") if row.get(c)), default=None)
-            row["best_fi_graph_over_triton_graph"] = best / row["triton_graph_us"] if best else None
-            best_eager = min(row["fa2_us"], row["fa3_us"])
-            row["best_fi_over_triton_eager"] = best_eager / row["triton_us"]
+            if best and row.get("triton_graph_us"):
+                row["best_fi_graph_over_triton_graph"] = best / row["triton_graph_us"]
+            if best and row.get("hopper_graph_us"):
+                row["best_fi_graph_over_hopper_graph"] = best / row["hopper_graph_us"]
+            if row.get("triton_us"):
+                row["best_fi_over_triton_eager"] = min(row["fa2_us"], row["fa3_us"]) / row["triton_us"]
+        for name in ("triton", "hopper", "fa2", "fa3"):
+            _rates(row, name, case)
+        if row.get("hopper_graph_us") and row.get("triton_graph_us"):
+            row["triton_graph_over_hopper_graph"] = row["triton_graph_us"] / row["hopper_graph_us"]
         rows.append(row)
-        print(f"# {kv} H={h} B={b} K={k}: triton graph {row['triton_graph_us']:.1f} us", file=sys.stderr)
+        print(f"# {kv} H={h} B={b} K={k}: graph us: " + ", ".join(
+            f"{n} {row[n + '_graph_us']:.1f}" for n in ("triton", "hopper", "fa2", "fa3") if row.get(n + "_graph_us")),
+            file=sys.stderr)
     return rows
+
+
+def device_limits() -> dict:
+    """This device's copy bandwidth (2 GiB device to device, bytes read + written) and bf16
+    matrix rate (8192^3 on random data), measured once: the ceilings beside the kernel rates."""
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    copy_us = median_us(lambda: dst.copy_(src), rep=200)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_us = median_us(lambda: a @ b, rep=200)
+    return {"copy_GBps": 2 * (2 << 30) / copy_us / 1e3, "bf16_mm_TFLOPS": 2 * 8192**3 / mm_us / 1e6}
 
 
 def versions() -> dict:
@@ -253,7 +317,8 @@ COLUMNS = {
                     "eager_speedup", "step_speedup", "graph_speedup"],
     "sparse_mla": ["kv", "H", "B", "K", "triton_us", "triton_graph_us", "triton_GBps", "fa2_us", "fa3_us",
                    "fa2_graph_us", "fa3_graph_us", "fa2_op_us", "fa3_op_us", "best_fi_graph_over_triton_graph",
-                   "best_fi_over_triton_eager"],
+                   "best_fi_over_triton_eager", "triton_TFLOPS", "hopper_us", "hopper_graph_us", "hopper_TFLOPS",
+                   "hopper_GBps", "fa3_TFLOPS", "best_fi_graph_over_hopper_graph", "triton_graph_over_hopper_graph"],
 }  # fmt: skip
 
 
@@ -279,14 +344,14 @@ def main(args) -> int:
     torch.manual_seed(0)
     only = set(args.only or ("remap", "combine", "mla"))
     kvs = tuple(args.kv or ("bf16", "fp8"))
+    shapes = {name: tuple(v) for name in ("heads", "batches", "ks") if (v := getattr(args, name, None))}
     if args.tune:
         from dsa_dcp.bench.tune import main as tune
 
-        shapes = {name: tuple(v) for name in ("heads", "batches", "ks") if (v := getattr(args, name, None))}
         return tune(kvs, args.write_table, shapes, getattr(args, "candidates", None) or "all",
                     getattr(args, "update_table", None))
     rows = []
-    parts = {"remap": bench_remap, "combine": bench_combine, "mla": lambda: bench_sparse_mla(kvs=kvs)}
+    parts = {"remap": bench_remap, "combine": bench_combine, "mla": lambda: bench_sparse_mla(kvs=kvs, **shapes)}
     for name, part in parts.items():
         if name in only:
             rows += part()
@@ -294,5 +359,9 @@ def main(args) -> int:
                 with open(args.json, "w") as f:
                     json.dump(rows, f, indent=1)
     print(f"device {torch.cuda.get_device_name()}, {versions()}")
+    if "mla" in only:
+        limits = device_limits()
+        print(f"limits measured here: copy {limits['copy_GBps']:.0f} GB/s (read + write), "
+              f"bf16 matrix product {limits['bf16_mm_TFLOPS']:.0f} TFLOP/s")
     print(format_tables(rows))
     return 0

@@ -1,10 +1,13 @@
 """``dsa-dcp bench kernels --tune``: the measured ``sparse_mla`` dispatch table.
 
-Per shape (H, B, K, KV dtype): the fastest Triton tiles, timed in a CUDA graph over KV rows that
-are not in L2 (see :mod:`dsa_dcp.bench.kernels`), then the fastest backend as the op runs it
-uncaptured (Triton with those tiles, FlashInfer fa2 and fa3 through the adapter, ``plan()``
-included). Every candidate is checked against the reference before it is timed. The result is
-the JSON table :mod:`dsa_dcp.kernels.dispatch` reads.
+Per shape (H, B, K, KV dtype): the fastest Triton tiles and, where it runs, the Hopper kernel's
+fastest split count, each timed in a CUDA graph over KV rows that are not in L2 (see
+:mod:`dsa_dcp.bench.kernels`); the faster of the two is the captured choice (``graph_backend``).
+Then the fastest backend as the op runs it uncaptured (Triton with its tiles, Hopper with its
+splits, FlashInfer fa2 and fa3 through the adapter, ``plan()`` included) is ``backend``. Every
+candidate is checked against the reference before it is timed. The result is the JSON table
+:mod:`dsa_dcp.kernels.dispatch` reads. ``--candidates hopper`` times no new Triton tiles (only the
+shipped table's, or the heuristic's where it has none) beside the Hopper kernel.
 """
 
 from __future__ import annotations
@@ -61,7 +64,35 @@ CANDIDATE_SETS = {
     "all": TILE_CANDIDATES + KEY_MAJOR_CANDIDATES + DC_SPLIT_CANDIDATES,
     "key-major": KEY_MAJOR_CANDIDATES,
     "dc-split": DC_SPLIT_CANDIDATES,
+    "hopper": [],  # the shipped Triton tiles only, beside the Hopper kernel
 }
+
+
+# The Hopper kernel's variants timed per shape: 64-key tiles in two stages, 32-key tiles in four.
+# (An L2 bulk prefetch of the rows two or three tiles ahead, and issuing the next tile's scores
+# before this tile's P V completes, were timed on all 48 shapes of docs/benchmarks.md and lost
+# everywhere: 0-29% and 0-8% slower. They stay launch options, off; pass them to time them.)
+HOPPER_VARIANTS = [
+    dict(block_k=64, prefetch=0, early_s=False),
+    dict(block_k=32, prefetch=0, early_s=False),
+]
+
+
+def _hopper_split_candidates(b: int, h: int, k: int, sms: int) -> list[int]:
+    """The Hopper kernel's split counts to time: its default, half and twice that (one split
+    keeping a key tile at least), and no split where the default is small."""
+    from dsa_dcp.kernels.sparse_mla_hopper import BLOCK_K, default_splits
+
+    tiles = math.ceil(k / BLOCK_K)
+    d = default_splits(b, h, k, sms)
+    out = {s for s in (max(1, d // 2), d, 2 * d) if s <= tiles}
+    if d <= 2:
+        out.add(1)
+    return sorted(out)
+
+
+def _hopper_candidates(b: int, h: int, k: int, sms: int) -> list[dict]:
+    return [dict(num_splits=s, **v) for s in _hopper_split_candidates(b, h, k, sms) for v in HOPPER_VARIANTS]
 
 
 def _split_candidates(b: int, h: int, k: int, block_h: int, block_k: int, sms: int) -> list[int]:
@@ -80,8 +111,10 @@ def _candidates(b: int, h: int, k: int, kv: str, tile_set: list[dict], sms: int)
     out = []
     table = dispatch.load_table()
     shipped = table and dispatch.lookup(table, torch.cuda.get_device_name(), h, b, k, kv)
-    if shipped and shipped.backend == "triton":
+    if shipped:  # its Triton tiles, whichever backend it chose
         out.append(("shipped", dict(shipped.tiles)))
+    elif not tile_set:
+        out.append(("heuristic", {}))
     for tiles in tile_set:
         if tiles["block_h"] > h:  # a head block larger than the heads: mostly masked lanes
             continue
@@ -93,9 +126,15 @@ def _candidates(b: int, h: int, k: int, kv: str, tile_set: list[dict], sms: int)
 def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kvs=("bf16", "fp8"),
                     candidates: str = "all") -> list[dict]:
     """Per shape: the fastest Triton tiles in graph (among ``CANDIDATE_SETS[candidates]`` and the
-    shipped table's choice), then the fastest backend as the op (eager). Every timing is printed."""
+    shipped table's choice) and the Hopper kernel's fastest split count in graph (where it runs);
+    then the fastest backend as the op (eager). Every timing is printed."""
+    from dsa_dcp.kernels import sparse_mla_hopper
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     have_fi = importlib.util.find_spec("flashinfer") is not None
+    have_hopper = sparse_mla_hopper.available()
+    if not have_hopper:
+        print(f"# hopper kernel not tuned: {sparse_mla_hopper.unavailable_reason()}", file=sys.stderr)
     entries = []
     for case, ref in mla_cases(heads, batches, ks, kvs):
         kv, h, b, k = case.kv, case.h, case.b, case.k
@@ -115,24 +154,48 @@ def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kv
             if best is None or us < best[0]:
                 best = (us, t)
         tiles = best[1]
+        graph_us = {"triton": best[0]}
+        hopper_best = None
+        if have_hopper:
+            for t in _hopper_candidates(b, h, k, sms):
+                try:
+                    check_mla("hopper", case.hopper(**t)(), ref)
+                except AssertionError as e:  # never chosen; said loudly (the GPU tests should have caught it)
+                    print(f"# WRONG hopper {kv} H={h} B={b} K={k} {t}: {e}", file=sys.stderr)
+                    continue
+                us = in_graph_us([case.hopper(v, **t) for v in range(case.views)], rep=10)
+                print(f"#   {kv} H={h} B={b} K={k} hopper {t}: {us:.1f} us in graph", file=sys.stderr)
+                if hopper_best is None or us < hopper_best[0]:
+                    hopper_best = (us, t)
+            if hopper_best is not None:
+                graph_us["hopper"] = hopper_best[0]
+        graph_backend = min(graph_us, key=graph_us.get)
         times = {"triton": median_us(case.triton(**tiles), rep=20)}
+        if hopper_best is not None:
+            times["hopper"] = median_us(case.hopper(**hopper_best[1]), rep=20)
         if have_fi and kv == "bf16":
             for backend in ("fa2", "fa3"):
                 op = case.flashinfer_op(backend)
                 check_mla(f"{backend} op", op(), ref)
                 times[backend] = median_us(op, rep=20)
         backend = min(times, key=times.get)
-        entries.append({"H": h, "B": b, "K": k, "kv": kv, "backend": backend, "tiles": tiles,
-                        "us": {"triton_graph": best[0], **{f"{n}_op": v for n, v in times.items()}}})
+        entry = {"H": h, "B": b, "K": k, "kv": kv, "backend": backend, "graph_backend": graph_backend,
+                 "tiles": tiles,
+                 "us": {**{f"{n}_graph": v for n, v in graph_us.items()}, **{f"{n}_op": v for n, v in times.items()}}}
+        if hopper_best is not None:
+            entry["hopper_tiles"] = hopper_best[1]
         if shipped_us is not None:
-            entries[-1]["us"]["shipped_triton_graph"] = shipped_us
-        print(f"# tuned {time.strftime('%H:%M:%S')} {kv} H={h} B={b} K={k}: {tiles} {best[0]:.1f} us in graph; op: "
-              + ", ".join(f"{n} {v:.1f}" for n, v in times.items()), file=sys.stderr)
+            entry["us"]["shipped_triton_graph"] = shipped_us
+        entries.append(entry)
+        print(f"# tuned {time.strftime('%H:%M:%S')} {kv} H={h} B={b} K={k}: in graph "
+              + ", ".join(f"{n} {v:.1f}" for n, v in graph_us.items()) + f" -> {graph_backend}; op: "
+              + ", ".join(f"{n} {v:.1f}" for n, v in times.items()) + f" -> {backend}", file=sys.stderr)
     return entries
 
 
 def merge_entries(table: dict, entries: list[dict], command: str) -> dict:
-    """``table`` with ``entries`` in place of its entries for the same (H, B, K, kv); the rest kept."""
+    """``table`` with ``entries`` in place of its entries for the same (H, B, K, kv); the rest kept.
+    (``command`` should say what the updating run had: its versions may differ from the table's.)"""
     from dsa_dcp.kernels import dispatch
 
     dispatch.validate_table(table, "the table to update")
@@ -161,5 +224,6 @@ def main(kvs: tuple[str, ...], write_table: str | None, shapes: dict | None = No
         if old.get("device") != table["device"]:
             raise ValueError(f"{update_table} was measured on {old.get('device')!r}, not {table['device']!r}")
         with open(update_table, "w") as f:
-            f.write(json.dumps(merge_entries(old, entries, command), indent=1) + "\n")
+            run = f"{command} ({', '.join(f'{k} {v}' for k, v in versions().items())}, {time.strftime('%Y-%m-%d')})"
+            f.write(json.dumps(merge_entries(old, entries, run), indent=1) + "\n")
     return 0

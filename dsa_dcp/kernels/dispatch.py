@@ -1,12 +1,22 @@
-"""Which ``sparse_mla`` backend, and which Triton tiles, to use for a shape: from a measured table.
+"""Which ``sparse_mla`` backend, and which tiles, to use for a shape: from a measured table.
 
-``dsa-dcp bench kernels --tune --write-table PATH`` times every Triton tile candidate and each
-FlashInfer backend per shape on the machine it runs on and writes the winners as JSON::
+``dsa-dcp bench kernels --tune --write-table PATH`` times every Triton tile candidate, the Hopper
+kernel's split counts (where it runs) and each FlashInfer backend per shape on the machine it
+runs on and writes the winners as JSON::
 
     {"device": "NVIDIA H200", "versions": {...}, "command": "...",
      "entries": [{"H": 64, "B": 1, "K": 2048, "kv": "bf16", "backend": "triton",
+                  "graph_backend": "hopper",
                   "tiles": {"block_h": 64, "block_k": 32, "num_warps": 8, "num_stages": 2,
-                            "num_splits": 16}, "us": {...}}, ...]}
+                            "num_splits": 16},
+                  "hopper_tiles": {"num_splits": 8}, "us": {...}}, ...]}
+
+``backend`` is the choice for an uncaptured call (``triton``, ``hopper``, ``fa2`` or ``fa3``,
+by the op's eager time); ``graph_backend`` the choice inside a CUDA-graph capture (``triton`` or
+``hopper``, by the time in a graph: FlashInfer plans on the host and cannot be captured).
+``tiles`` are the Triton kernel's launch parameters, ``hopper_tiles`` the Hopper kernel's. An
+entry without ``graph_backend`` (older tables) is captured on its ``backend`` when that is
+``triton`` or ``hopper``, else on Triton.
 
 The table shipped with the package (``sparse_mla_table.json``) was measured on one H200;
 ``DSA_DCP_SPARSE_MLA_TABLE`` points at another file. A table is only used on the device it was
@@ -21,7 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
@@ -29,14 +39,34 @@ import torch
 
 TABLE_PATH = Path(__file__).with_name("sparse_mla_table.json")
 ENV = "DSA_DCP_SPARSE_MLA_TABLE"
-BACKENDS = ("triton", "fa2", "fa3")
+BACKENDS = ("triton", "hopper", "fa2", "fa3")
+GRAPH_BACKENDS = ("triton", "hopper")  # what can run inside a CUDA-graph capture
 TILE_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "num_splits", "key_major", "dc_split")
+HOPPER_TILE_KEYS = ("num_splits", "prefetch", "early_s", "block_k")
+_NO_TILES = MappingProxyType({})
 
 
 @dataclass(frozen=True)
 class Choice:
-    backend: str  # one of BACKENDS
+    backend: str  # one of BACKENDS: the choice for an uncaptured call
     tiles: MappingProxyType  # Triton launch parameters (TILE_KEYS), read-only (choices are shared)
+    graph_backend: str = "triton"  # one of GRAPH_BACKENDS: the choice inside a CUDA-graph capture
+    hopper_tiles: MappingProxyType = field(default_factory=lambda: _NO_TILES)  # the Hopper kernel's launch parameters (HOPPER_TILE_KEYS)
+
+
+def runnable_backend(choice: Choice | None, capturing: bool, flashinfer_ok, hopper_ok) -> str:
+    """The backend a call runs: the table's choice for an uncaptured call, its captured choice
+    inside a capture (and when FlashInfer, chosen uncaptured, is not usable here); the Triton
+    kernel when there is no choice or the Hopper kernel cannot run here. ``flashinfer_ok`` and
+    ``hopper_ok`` are callables, asked only when that backend is the choice."""
+    if choice is None:
+        return "triton"
+    backend = choice.graph_backend if capturing else choice.backend
+    if backend in ("fa2", "fa3") and not flashinfer_ok():
+        backend = choice.graph_backend
+    if backend == "hopper" and not hopper_ok():
+        backend = "triton"
+    return backend
 
 
 def kv_name(dtype: torch.dtype) -> str:
@@ -57,6 +87,11 @@ def validate_table(table: dict, where: str) -> dict:
         bad = [k for k in e["tiles"] if k not in TILE_KEYS]
         if bad:
             raise ValueError(f"{where}: entry {i} has unknown tile keys {bad}")
+        if e.get("graph_backend", "triton") not in GRAPH_BACKENDS:
+            raise ValueError(f"{where}: entry {i} has graph_backend {e['graph_backend']!r}, not one of {GRAPH_BACKENDS}")
+        bad = [k for k in e.get("hopper_tiles", {}) if k not in HOPPER_TILE_KEYS]
+        if bad:
+            raise ValueError(f"{where}: entry {i} has unknown hopper tile keys {bad}")
     return table
 
 
@@ -92,7 +127,10 @@ def lookup(table: dict, device_name: str, H: int, B: int, K: int, kv: str) -> Ch
     rows = [e for e in rows if e["B"] == b]
     k = _nearest_at_or_above(sorted({e["K"] for e in rows}), K)
     entry = next(e for e in rows if e["K"] == k)
-    return Choice(entry["backend"], MappingProxyType(dict(entry["tiles"])))
+    backend = entry["backend"]
+    graph_backend = entry.get("graph_backend", backend if backend in GRAPH_BACKENDS else "triton")
+    return Choice(backend, MappingProxyType(dict(entry["tiles"])), graph_backend,
+                  MappingProxyType(dict(entry.get("hopper_tiles", {}))))
 
 
 def choose(H: int, B: int, K: int, kv_dtype: torch.dtype, device: torch.device) -> Choice | None:
