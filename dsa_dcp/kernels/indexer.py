@@ -751,8 +751,8 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
     ns = chunks or _default_chunks(T, C, device)
     interpreted = is_interpreted(_topk_row_kernel)
     blk = block or (32 if interpreted else (2048 if ns == 1 else 1024))
-    if blk < 16 or blk & (blk - 1):
-        raise ValueError(f"topk_select: block must be a power of two >= 16, got {blk}")
+    if blk < 8 or blk & (blk - 1):
+        raise ValueError(f"topk_select: block must be a power of two >= 8, got {blk}")
     warps = num_warps or (8 if ns == 1 else 4)
     common = dict(PAGE=page_size, HAS_PT=has_pt, REMAP=remap is not None, DCP_SIZE=dcp_size,
                   INTERLEAVE=interleave, BLOCK=blk)  # fmt: skip
@@ -795,7 +795,7 @@ def topk_select_triton(
     (grid (T,)); more split each row into that many chunks and run four histogram passes (grid
     (T, chunks) each, per-row histograms through integer atomics into a zeroed ``[T, 4, 256]``
     workspace; later passes skip their work when an earlier one settled the threshold) and one
-    write launch. ``block`` candidates are read a tile (a power of two >= 16).
+    write launch. ``block`` candidates are read a tile (a power of two >= 8).
     """
     _check_select(scores, k, page_table, req_ids, page_size)
     out, _ = _launch_select(scores, k, page_table, req_ids, page_size, None, chunks=chunks, block=block,
