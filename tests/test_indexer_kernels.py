@@ -482,3 +482,29 @@ def test_topk_select_shapes_gpu(B, C):
         ref = ix.topk_select_reference(scores, k)
         for chunks in (None, 1, 4):
             assert torch.equal(ix.topk_select_triton(scores, k, chunks=chunks), ref), (k, chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# the bench's baseline is the model's composition
+
+
+def test_bench_composition_matches_the_ops():
+    """``bench indexer`` times ours against ``indexer_torch``: the same slots (set per row) as
+    index_scores then topk_select, for bf16 and FP8 keys; its overlap helper counts set overlap."""
+    bench = importlib.import_module("dsa_dcp.bench.indexer")
+    gen = _gen("bench")
+    page_table, req_ids, positions, page = _paged_step(gen)
+    T, Hi, Di = req_ids.shape[0], 4, 16
+    q, w = torch.randn(T, Hi, Di, generator=gen), torch.randn(T, Hi, generator=gen)
+    for case in ("fp32", "fp8-row"):
+        cache, key_scale, _ = _keys(gen, 160, Di, case)
+        args = (q, w, cache, key_scale, page_table, req_ids, positions, page)
+        theirs = bench.indexer_torch(*args, 7)
+        ours = ix.topk_select_reference(ix.index_scores_reference(*args), 7, page_table, req_ids, page)
+        # (a row without a request, req_ids = -1, is empty for the ops; the model clamps it to
+        # request 0, and its padding rows are (req 0, position -1): empty both ways)
+        has = req_ids >= 0
+        assert torch.equal(theirs[has].sort(dim=1).values, ours[has].sort(dim=1).values), case
+        assert bench._overlap(ours[has], theirs[has]) == 1.0
+    a = torch.tensor([[3, 5, -1], [1, 2, 4]])
+    assert bench._overlap(a, torch.tensor([[5, 9, 3], [2, 7, 8]])) == 3 / 5
