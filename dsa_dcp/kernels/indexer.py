@@ -8,7 +8,8 @@ req_ids[T], positions[T], page_size P) -> scores[T, C] float32`` with ``C = MP *
 
     Row ``t`` belongs to request ``req_ids[t]``; its candidate ``p`` in ``[0, C)`` is the slot
     ``page_table[req, p // P] * P + p % P`` and is valid iff ``p <= positions[t]`` and that
-    page is ``>= 0`` (a negative ``req_ids[t]`` makes every candidate of the row invalid).
+    page is ``>= 0`` (a negative ``req_ids[t]`` makes every candidate of the row invalid; an id
+    ``>= R`` is a contract violation: the reference raises, the kernels treat it as negative).
     ``scores[t, p] = sum_h w[t, h] * relu(q[t, h] . k[slot])`` for valid ``p``, ``-inf``
     otherwise; NaN in a valid key, a query or a weight propagates (``relu(NaN) = NaN``), as in
     the model. Keys are bf16/fp16/fp32 rows, or FP8 E4M3 rows with an fp32 ``key_scale``:
@@ -183,6 +184,7 @@ def _index_scores_kernel(
     D,
     C,
     S,
+    R,
     SPAN,
     q_prescale,
     stride_qt,
@@ -229,11 +231,11 @@ def _index_scores_kernel(
     scale = 1.0
     if KEY_SCALE == 1:
         scale = tl.load(ks_ptr).to(tl.float32) / q_prescale
-    page_row = pt_ptr + tl.maximum(req, 0) * stride_pt
+    page_row = pt_ptr + tl.minimum(tl.maximum(req, 0), R - 1) * stride_pt
     for c0 in range(c_lo, c_hi, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
         live = (offs_c < c_hi) & (offs_c <= pos)
-        live = tl.where(req >= 0, live, False)
+        live = tl.where((req >= 0) & (req < R), live, False)
         page = tl.load(page_row + offs_c // PAGE, mask=live, other=-1).to(tl.int64)
         slot = page * PAGE + offs_c % PAGE
         valid = live & (page >= 0) & (slot < S)
@@ -333,7 +335,7 @@ def index_scores_triton(
     ks = key_scale.reshape(-1) if key_scale is not None else w  # a placeholder pointer when unused
     _index_scores_kernel[(T, cdiv(C, sp))](
         q, w, index_cache, ks, page_table, req_ids.contiguous(), positions.contiguous(), out,
-        H, D, C, index_cache.shape[0], sp, prescale,
+        H, D, C, index_cache.shape[0], page_table.shape[0], sp, prescale,
         q.stride(0), q.stride(1), w.stride(0), index_cache.stride(0), page_table.stride(0), out.stride(0),
         PAGE=page_size, KEY_SCALE=key_scale_mode, Q_PRESCALE=prescale != 1.0, BLOCK_C=bc,
         BLOCK_H=max(16, next_pow2(H)), BLOCK_D=max(16, next_pow2(D)),
@@ -551,28 +553,36 @@ def _write_tail(out_ptr, count_ptr, total, K, REMAP: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def _row_need(req_ptr, t, C, K, HAS_PT: tl.constexpr):
+def _row_need(req_ptr, t, C, K, R, HAS_PT: tl.constexpr):
     """How many candidates row t selects before -inf is excluded: min(K, C), 0 for a row
-    without a request."""
+    without a request (an id < 0, or >= R: out of contract, never read)."""
     need = tl.minimum(K, C)
     if HAS_PT:
-        need = tl.where(tl.load(req_ptr + t) >= 0, need, 0)
+        req = tl.load(req_ptr + t)
+        need = tl.where((req >= 0) & (req < R), need, 0)
     return need
 
 
 @triton.jit
+def _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT: tl.constexpr):
+    """Row t's page-table row (clamped into the table; rows without a request read nothing)."""
+    if HAS_PT:
+        return pt_ptr + tl.minimum(tl.maximum(tl.load(req_ptr + t).to(tl.int64), 0), R - 1) * stride_pt
+    else:
+        return pt_ptr
+
+
+@triton.jit
 def _topk_row_kernel(
-    scores_ptr, out_ptr, count_ptr, pt_ptr, req_ptr, C, K, RANK, stride_s, stride_pt, stride_o,
+    scores_ptr, out_ptr, count_ptr, pt_ptr, req_ptr, C, K, R, RANK, stride_s, stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Grid (T,): one program selects a whole row (the passes read it again from L1/L2)."""
     t = tl.program_id(0).to(tl.int64)
     row = scores_ptr + t * stride_s
-    page_row = pt_ptr
-    if HAS_PT:
-        page_row = pt_ptr + tl.maximum(tl.load(req_ptr + t).to(tl.int64), 0) * stride_pt
-    need = _row_need(req_ptr, t, C, K, HAS_PT)
+    page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
+    need = _row_need(req_ptr, t, C, K, R, HAS_PT)
     active = need > 0
     prefix = tl.cast(0, tl.uint32)
     level = tl.cast(0, tl.int32)
@@ -607,7 +617,7 @@ def _load_state(hist_ptr, need, NPASS: tl.constexpr):
 
 @triton.jit
 def _topk_pass_kernel(
-    scores_ptr, hist_ptr, above_ptr, pt_ptr, req_ptr, C, K, CHUNK, NCHUNK, RANK, stride_s, stride_pt,
+    scores_ptr, hist_ptr, above_ptr, pt_ptr, req_ptr, C, K, R, CHUNK, NCHUNK, RANK, stride_s, stride_pt,
     PASS: tl.constexpr, PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -620,12 +630,10 @@ def _topk_pass_kernel(
     """
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
-    need = _row_need(req_ptr, t, C, K, HAS_PT)
+    need = _row_need(req_ptr, t, C, K, R, HAS_PT)
     prefix, need, level, done = _load_state(hist_ptr + t * 4 * 256, need, PASS)
     if not done:
-        page_row = pt_ptr
-        if HAS_PT:
-            page_row = pt_ptr + tl.maximum(tl.load(req_ptr + t).to(tl.int64), 0) * stride_pt
+        page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
         lo = j * CHUNK
         hi = tl.minimum(lo + CHUNK, C)
         hist, above, hist_own, above_own = _chunk_hist(scores_ptr + t * stride_s, lo, hi, prefix, page_row, RANK,
@@ -662,7 +670,7 @@ def _count_owned_ties(scores_ptr, lo, hi, prefix, shift, take, page_row, RANK, P
 
 @triton.jit
 def _topk_write_kernel(
-    scores_ptr, hist_ptr, above_ptr, out_ptr, count_ptr, pt_ptr, req_ptr, C, K, CHUNK, NCHUNK, RANK,
+    scores_ptr, hist_ptr, above_ptr, out_ptr, count_ptr, pt_ptr, req_ptr, C, K, R, CHUNK, NCHUNK, RANK,
     stride_s, stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
@@ -678,14 +686,12 @@ def _topk_write_kernel(
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     row = scores_ptr + t * stride_s
-    need = _row_need(req_ptr, t, C, K, HAS_PT)
+    need = _row_need(req_ptr, t, C, K, R, HAS_PT)
     active = need > 0
     prefix, need, level, done = _load_state(hist_ptr + t * 4 * 256, need, 4)
     need = tl.where((level == 3) & (prefix == 0), 0, need)
     shift = 24 - 8 * level
-    page_row = pt_ptr
-    if HAS_PT:
-        page_row = pt_ptr + tl.maximum(tl.load(req_ptr + t).to(tl.int64), 0) * stride_pt
+    page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
     # the chunks' counts at the threshold bin of the last pass: at or above it, above it
     digit = (prefix & 0xFF).to(tl.int32)
     chunks = tl.arange(0, BLOCK_CHUNKS)
@@ -748,6 +754,7 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
     pt = last_dim_contiguous(page_table) if has_pt else out  # placeholder pointers when unused
     req = req_ids.contiguous() if has_pt else count
     stride_pt = pt.stride(0) if has_pt else 0
+    rows = page_table.shape[0] if has_pt else 1
     ns = chunks or _default_chunks(T, C, device)
     interpreted = is_interpreted(_topk_row_kernel)
     blk = block or (32 if interpreted else (2048 if ns == 1 else 1024))
@@ -758,7 +765,7 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
                   INTERLEAVE=interleave, BLOCK=blk)  # fmt: skip
     if ns == 1:
         _topk_row_kernel[(T,)](
-            scores, out, count, pt, req, C, k, rank, scores.stride(0), stride_pt, out.stride(0),
+            scores, out, count, pt, req, C, k, rows, rank, scores.stride(0), stride_pt, out.stride(0),
             **common, num_warps=warps,
         )  # fmt: skip
         return out, count
@@ -768,11 +775,12 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
     above = torch.empty((T, 8, ns, RADIX + 1), dtype=torch.int32, device=device)
     for p in range(4):
         _topk_pass_kernel[(T, ns)](
-            scores, hist, above, pt, req, C, k, chunk, ns, rank, scores.stride(0), stride_pt,
+            scores, hist, above, pt, req, C, k, rows, chunk, ns, rank, scores.stride(0), stride_pt,
             PASS=p, **common, num_warps=warps,
         )  # fmt: skip
     _topk_write_kernel[(T, ns)](
-        scores, hist, above, out, count, pt, req, C, k, chunk, ns, rank, scores.stride(0), stride_pt, out.stride(0),
+        scores, hist, above, out, count, pt, req, C, k, rows, chunk, ns, rank, scores.stride(0), stride_pt,
+        out.stride(0),
         **common, BLOCK_CHUNKS=next_pow2(ns), num_warps=warps,
     )  # fmt: skip
     return out, count
