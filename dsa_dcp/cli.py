@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     kernels.set_defaults(func=_bench_kernels)
     indexer = bench_sub.add_parser("indexer", help="indexer scores + top-k, top-k, top-k + remap against torch and Inductor")
     indexer.add_argument("--json", help="also write the rows to this file")
-    indexer.add_argument("--only", nargs="+", choices=["indexer", "topk", "remap"], help="time only these parts")
+    indexer.add_argument("--only", nargs="+", choices=["indexer", "topk", "remap", "tiles"],
+                         help="time only these parts (default: indexer, topk, remap; tiles sweeps index_scores tiles)")
     indexer.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     indexer.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     indexer.add_argument("--keys", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])

@@ -21,6 +21,8 @@ before it is timed. Parts (``--only``):
   passes) against ``torch.topk`` on the same fp32 scores ``[B, C]`` (randn), K = 2048.
 - ``remap``: the fused top-k + remap (N = 2, rank 0) against the top-k alone and against the
   top-k followed by ``topk_remap_triton``.
+- ``tiles`` (only when asked for): ``index_scores`` at B = 32, 32K for every tile candidate
+  (``block_c`` x warps x stages), to choose the launcher's defaults.
 
 Bytes (the least a call must move) and the achieved GB/s stand beside each time: for the indexer
 the keys (and their scales) of the valid candidates, the queries and weights, the fp32 scores
@@ -259,11 +261,37 @@ def bench_remap(batches, contexts, out: list, n: int = 2) -> None:
         out.append(row)
 
 
+SCORE_TILES = [dict(block_c=bc, num_warps=wp, num_stages=st) for bc in (32, 64, 128) for wp in (4, 8) for st in (2, 3, 4)]
+
+
+def bench_score_tiles(keys, heads, out: list, b: int = 32, ctx: int = 32768) -> None:
+    """``--only tiles``: index_scores at one shape for each tile candidate (the default first)."""
+    from dsa_dcp.kernels import index_scores_reference, index_scores_triton
+
+    cache = KeyCache(b * ctx * 2)
+    for kd, hi in itertools.product(keys, heads):
+        case = IndexerCase(cache, b, ctx, kd, hi)
+        ref = index_scores_reference(*case.args())
+        fin = torch.isfinite(ref)
+        for tiles in [{}] + SCORE_TILES:
+            got = index_scores_triton(*case.args(), **tiles)
+            assert ((got - ref)[fin].abs().max() / ref[fin].abs().max()).item() < 1e-3, tiles
+            us = graph_us([lambda v=v: index_scores_triton(*case.args(v), **tiles) for v in range(case.views)]
+                          * max(1, GRAPH_CALLS // case.views))  # fmt: skip
+            key_bytes = b * ctx * (DI * case.cache.element_size() + (4 if kd == "fp8" else 0))
+            out.append({"part": "tiles", "keys": kd, "Hi": hi, "B": b, "ctx": ctx, "tiles": str(tiles or "default"),
+                        "us": us, "key_GBps": key_bytes / us / 1e3})  # fmt: skip
+        del ref
+    del cache
+    torch.cuda.empty_cache()
+
+
 COLUMNS = {
     "indexer": ["keys", "Hi", "B", "ctx", "ours_us", "scores_us", "topk_us", "floor_us", "ours_over_floor",
                 "ours_GBps", "torch_us", "inductor_us", "torch_over_ours", "inductor_over_ours"],
     "topk": ["B", "ctx", "ours_us", "row_us", "split_us", "split_chunks", "torch_us", "torch_over_ours", "ours_GBps"],
     "remap": ["B", "ctx", "N", "topk_us", "fused_us", "composed_us", "fused_over_topk"],
+    "tiles": ["keys", "Hi", "B", "ctx", "tiles", "us", "key_GBps"],
 }  # fmt: skip
 
 
@@ -300,6 +328,9 @@ def main(args) -> int:
         save()
     if "indexer" in only:
         bench_indexer(args.batches, args.contexts, args.keys, args.heads, args.inductor, bw, rows)
+        save()
+    if "tiles" in only:
+        bench_score_tiles(args.keys, args.heads, rows)
         save()
     print(f"device {torch.cuda.get_device_name()}, {versions()}, copy {bw:.0f} GB/s")
     print(format_tables(rows))
