@@ -58,6 +58,12 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     return bench_kernels(args)
 
 
+def _bench_indexer(args: argparse.Namespace) -> int:
+    from dsa_dcp.bench.indexer import main as bench_indexer
+
+    return bench_indexer(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsa-dcp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +109,17 @@ def main(argv: list[str] | None = None) -> int:
                          help="with --tune: the Triton tile set timed beside the shipped choice (default all; "
                               "hopper: none, only the Hopper kernel's split counts)")
     kernels.set_defaults(func=_bench_kernels)
+    indexer = bench_sub.add_parser("indexer", help="indexer scores + top-k, top-k, top-k + remap against torch and Inductor")
+    indexer.add_argument("--json", help="also write the rows to this file")
+    indexer.add_argument("--only", nargs="+", choices=["indexer", "topk", "remap", "tiles"],
+                         help="time only these parts (default: indexer, topk, remap; tiles sweeps index_scores tiles)")
+    indexer.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    indexer.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    indexer.add_argument("--keys", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
+    indexer.add_argument("--heads", type=int, nargs="+", default=[32, 64], help="indexer heads Hi")
+    indexer.add_argument("--inductor", choices=["dynamic", "static", "off"], default="dynamic",
+                         help="compile the torch composition once for all shapes, once a shape, or not at all")
+    indexer.set_defaults(func=_bench_indexer)
     insp = sub.add_parser("inspect", help="show what the compiler does to a model: passes, collectives, memory, dataflow",
                           description="Compile TARGET for rank 0 of an N-rank DCP group in this process (a fake "
                                       "process group stands in for the other ranks) and report what the passes did.")

@@ -272,3 +272,92 @@ TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
 LSE_COMBINE = torch.ops.dsa_dcp.lse_combine.default
 FUSED_A2A_MERGE = torch.ops.dsa_dcp.fused_a2a_merge.default
 C10D = torch.ops._c10d_functional
+
+
+# =========================================================================== the lightning indexer
+# (this section: index_scores, topk_select, topk_select_remap; contracts in dsa_dcp/kernels/indexer.py
+# and docs/ops.md. Built from what the model computes: q after rope [T, Hi, Di], the scaled fp32
+# head weights [T, Hi], its index cache and the step's page_table, req_ids, positions.)
+
+
+@torch.library.custom_op("dsa_dcp::index_scores", mutates_args=())
+def index_scores(q: Tensor, w: Tensor, index_cache: Tensor, key_scale: Tensor | None, page_table: Tensor,
+                 req_ids: Tensor, positions: Tensor, page_size: int) -> Tensor:
+    """``scores[T, C] = sum_h w[t, h] relu(q[t, h] . k[slot(t, p)])`` over valid candidates, ``-inf``
+    elsewhere (``C = max_pages * page_size``); keys read through the page table."""
+    return kernels.index_scores_reference(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size)
+
+
+@index_scores.register_kernel("cuda")
+def _index_scores_cuda(q: Tensor, w: Tensor, index_cache: Tensor, key_scale: Tensor | None, page_table: Tensor,
+                       req_ids: Tensor, positions: Tensor, page_size: int) -> Tensor:
+    return kernels.index_scores_triton(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size)
+
+
+@index_scores.register_fake
+def _index_scores_fake(q: Tensor, w: Tensor, index_cache: Tensor, key_scale: Tensor | None, page_table: Tensor,
+                       req_ids: Tensor, positions: Tensor, page_size: int) -> Tensor:
+    if q.dim() != 3 or w.shape != q.shape[:2] or index_cache.dim() != 2 or index_cache.shape[1] != q.shape[2]:
+        raise ValueError(f"index_scores: want q [T, Hi, Di], w [T, Hi], index_cache [S, Di]; got {tuple(q.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(index_cache.shape)}")  # fmt: skip
+    if page_table.dim() != 2 or req_ids.shape != q.shape[:1] or positions.shape != q.shape[:1] or page_size < 1:
+        raise ValueError(f"index_scores: want page_table [R, max_pages], req_ids [T], positions [T], page_size >= 1; "
+                         f"got {tuple(page_table.shape)}, {tuple(req_ids.shape)}, {tuple(positions.shape)}, {page_size}")
+    return q.new_empty((q.shape[0], page_table.shape[1] * page_size), dtype=torch.float32)
+
+
+def _check_topk_select_fake(scores: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int, op: str) -> None:
+    if scores.dim() != 2 or page_table.dim() != 2 or req_ids.shape != scores.shape[:1]:
+        raise ValueError(f"{op}: want scores [T, C], page_table [R, max_pages], req_ids [T]; got "
+                         f"{tuple(scores.shape)}, {tuple(page_table.shape)}, {tuple(req_ids.shape)}")
+    if page_size < 1 or k < 0 or scores.shape[1] != page_table.shape[1] * page_size:
+        raise ValueError(f"{op}: want C = max_pages * page_size, page_size >= 1, k >= 0; got C = {scores.shape[1]}, "
+                         f"max_pages = {page_table.shape[1]}, page_size = {page_size}, k = {k}")
+
+
+@torch.library.custom_op("dsa_dcp::topk_select", mutates_args=())
+def topk_select(scores: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int) -> Tensor:
+    """The ``min(k, C)`` best candidates of each row as int32 global slots, in ascending candidate
+    position, ``-1`` past the row's count (``-inf`` scores are never selected)."""
+    return kernels.topk_select_reference(scores, k, page_table, req_ids, page_size)
+
+
+@topk_select.register_kernel("cuda")
+def _topk_select_cuda(scores: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int) -> Tensor:
+    return kernels.topk_select_triton(scores, k, page_table, req_ids, page_size)
+
+
+@topk_select.register_fake
+def _topk_select_fake(scores: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int) -> Tensor:
+    _check_topk_select_fake(scores, page_table, req_ids, page_size, k, "topk_select")
+    return scores.new_empty((scores.shape[0], k), dtype=torch.int32)
+
+
+@torch.library.custom_op("dsa_dcp::topk_select_remap", mutates_args=())
+def topk_select_remap(scores: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int, dcp_size: int,
+                      rank: int, interleave: int) -> tuple[Tensor, Tensor]:
+    """``topk_remap(topk_select(...), dcp_size, rank, interleave)`` in one op: this rank's local
+    rows of the selected slots, compacted in the selection's order, and their count per row."""
+    return kernels.topk_select_remap_reference(scores, k, dcp_size, rank, interleave, page_table, req_ids, page_size)
+
+
+@topk_select_remap.register_kernel("cuda")
+def _topk_select_remap_cuda(scores: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int,
+                            dcp_size: int, rank: int, interleave: int) -> tuple[Tensor, Tensor]:
+    return kernels.topk_select_remap_triton(scores, k, dcp_size, rank, interleave, page_table, req_ids, page_size)
+
+
+@topk_select_remap.register_fake
+def _topk_select_remap_fake(scores: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int,
+                            dcp_size: int, rank: int, interleave: int) -> tuple[Tensor, Tensor]:
+    _check_topk_select_fake(scores, page_table, req_ids, page_size, k, "topk_select_remap")
+    if not (dcp_size >= 1 and 0 <= rank < dcp_size and interleave >= 1):
+        raise ValueError(f"topk_select_remap: need dcp_size >= 1, 0 <= rank < dcp_size, interleave >= 1; got "
+                         f"{dcp_size}, {rank}, {interleave}")
+    return (scores.new_empty((scores.shape[0], k), dtype=torch.int32),
+            scores.new_empty(scores.shape[:1], dtype=torch.int32))
+
+
+INDEX_SCORES = torch.ops.dsa_dcp.index_scores.default
+TOPK_SELECT = torch.ops.dsa_dcp.topk_select.default
+TOPK_SELECT_REMAP = torch.ops.dsa_dcp.topk_select_remap.default

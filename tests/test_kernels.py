@@ -573,7 +573,9 @@ def test_dispatchers_follow_device():
     assert cache.sum().item() == 3 and (cache[2] == 1).all()
     assert set(kernels.__all__) == {
         f"{op}{suffix}" for op in ("topk_remap", "lse_combine", "kv_store") for suffix in ("", "_reference", "_triton")
-    } | {"sparse_mla_reference", "sparse_mla_triton"}
+    } | {"sparse_mla_reference", "sparse_mla_triton"} | {
+        f"{op}{suffix}" for op in ("index_scores", "topk_select", "topk_select_remap") for suffix in ("", "_reference", "_triton")
+    }
 
 
 def _bad_calls():

@@ -1,0 +1,337 @@
+"""``dsa-dcp bench indexer``: the lightning indexer's kernels against the model's torch code.
+
+Every timing is a median over replays of a CUDA graph that holds the calls back to back (time
+per call), in one process (40 ms of replays a timing, so that the default run should take about four minutes on an
+H200, an estimate not yet measured, much of it Inductor compiling the composition; ``--inductor
+off`` skips that column). Each
+variant is checked against the references on the same inputs
+before it is timed. Parts (``--only``):
+
+- ``indexer``: one layer's indexer, scores + top-k, from the paged index cache to int32 slots:
+  ours (``index_scores_triton`` then ``topk_select_triton``) against the model's composition
+  (:func:`indexer_torch`: gather every candidate's key as fp32, two einsums, relu, mask,
+  ``torch.topk``) run eagerly and as compiled by stock Inductor (``torch.compile`` of the same
+  function: the code ``mode="reduce-overhead"`` would replay, captured in our graph so that no
+  input copy is counted; ``--inductor dynamic`` compiles once for all shapes, ``static`` once a
+  shape). B in {1, 8, 32, 128}, contexts {4K, 32K, 128K}, bf16 and FP8 keys (per-row fp32
+  scales), Hi in {32, 64}, Di = 128, page size 64, K = 2048. Ours is also timed in its two parts.
+  Where one call's keys fit twice in L2, the graph rotates over disjoint page tables so every
+  call reads keys from HBM.
+- ``topk``: ``topk_select_triton`` alone (the default grid, one program a row, and the chunked
+  passes) against ``torch.topk`` on the same fp32 scores ``[B, C]`` (randn), K = 2048.
+- ``remap``: the fused top-k + remap (N = 2, rank 0) against the top-k alone and against the
+  top-k followed by ``topk_remap_triton``.
+- ``tiles`` (only when asked for): ``index_scores`` at B = 32, 32K for every tile candidate
+  (``block_c`` x warps x stages), to choose the launcher's defaults.
+
+Bytes (the least a call must move) and the achieved GB/s stand beside each time: for the indexer
+the keys (and their scales) of the valid candidates, the queries and weights, the fp32 scores
+written and read once, and the top-k written; for the top-k the scores read and the top-k
+written. ``floor_us`` is those bytes at the device-to-device copy bandwidth measured in the same
+process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+
+import torch
+
+from dsa_dcp.bench.kernels import L2_BYTES, median_us, versions
+
+PAGE = 64
+DI = 128
+K = 2048
+GRAPH_CALLS = 10
+
+
+def graph_us(calls, rep: int = 40) -> float:
+    """Time per call of ``calls`` (a list of callables run in turn) captured in one CUDA graph."""
+    for fn in calls[:2]:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    us = median_us(graph.replay, rep) / len(calls)
+    del graph
+    return us
+
+
+def copy_GBps() -> float:
+    """Device-to-device copy bandwidth (read + write bytes), 1 GiB, in a graph."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_us([lambda: dst.copy_(src)] * 4)
+    return 2 * src.numel() / us / 1e3
+
+
+def indexer_torch(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size: int, k: int):
+    """The reference models' indexer after its projections (dsa_dcp/models/dsa.py), FP8 keys
+    dequantized after the gather: what a model author writes."""
+    pages = page_table.index_select(0, req_ids.clamp(min=0)).long()
+    offs = torch.arange(page_size, device=pages.device)
+    cand = (pages.unsqueeze(-1) * page_size + offs).flatten(1)
+    capacity = cand.shape[1]
+    pos = torch.arange(capacity, device=cand.device)
+    valid = (pos.unsqueeze(0) <= positions.unsqueeze(1)) & (cand >= 0)
+    keys = index_cache[cand.clamp(min=0)].float()
+    if key_scale is not None:
+        keys = keys * key_scale[cand.clamp(min=0)].unsqueeze(-1)
+    logits = torch.einsum("thd,tcd->thc", q.float(), keys).relu()
+    score = torch.einsum("thc,th->tc", logits, w)
+    score = score.masked_fill(~valid, float("-inf"))
+    top_score, top_idx = torch.topk(score, min(k, capacity), dim=-1)
+    top_slots = cand.gather(1, top_idx)
+    return torch.where(top_score == float("-inf"), torch.full_like(top_slots, -1), top_slots).to(torch.int32)
+
+
+class KeyCache:
+    """One index cache for every shape: bf16 keys, their FP8 E4M3 copy and per-row scales."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.bf16 = torch.randn(slots, DI, device="cuda", dtype=torch.bfloat16)
+        self.scale = self.bf16.abs().amax(dim=1).float().div_(448.0)
+        self.fp8 = torch.empty(slots, DI, device="cuda", dtype=torch.float8_e4m3fn)
+        for s in range(0, slots, 1 << 22):  # in slices: no fp32 copy of the whole cache
+            self.fp8[s:s + (1 << 22)] = (self.bf16[s:s + (1 << 22)].float() / self.scale[s:s + (1 << 22), None]).to(
+                torch.float8_e4m3fn)
+
+    def get(self, keys: str):
+        return (self.bf16, None) if keys == "bf16" else (self.fp8, self.scale)
+
+
+class IndexerCase:
+    """One step's indexer inputs; ``views`` page tables over disjoint pages (the same shape)."""
+
+    def __init__(self, cache: KeyCache, b: int, ctx: int, keys: str, hi: int):
+        self.b, self.ctx, self.keys, self.hi = b, ctx, keys, hi
+        self.cache, self.key_scale = cache.get(keys)
+        pages = ctx // PAGE
+        key_bytes = b * ctx * (DI * self.cache.element_size() + (4 if keys == "fp8" else 0))
+        self.views = max(1, min(64, math.ceil(2 * L2_BYTES / key_bytes), cache.slots // (b * ctx)))
+        perm = torch.randperm(cache.slots // PAGE, device="cuda")[: self.views * b * pages]
+        self.page_tables = list(perm.view(self.views, b, pages).int())
+        self.req_ids = torch.arange(b, device="cuda")
+        self.positions = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int64)
+        self.q = torch.randn(b, hi, DI, device="cuda", dtype=torch.bfloat16)
+        self.w = torch.randn(b, hi, device="cuda") * (hi * DI) ** -0.5
+        self.bytes = key_bytes + self.q.numel() * 2 + self.w.numel() * 4 + 2 * b * ctx * 4 + b * K * 4
+
+    def args(self, view: int = 0):
+        return (self.q, self.w, self.cache, self.key_scale, self.page_tables[view], self.req_ids, self.positions, PAGE)
+
+    def scores(self, view: int = 0):
+        from dsa_dcp.kernels import index_scores_triton
+
+        return index_scores_triton(*self.args(view))
+
+    def ours(self, view: int = 0):
+        from dsa_dcp.kernels import topk_select_triton
+
+        return topk_select_triton(self.scores(view), K, self.page_tables[view], self.req_ids, PAGE)
+
+
+def _check_indexer(case: IndexerCase, inductor) -> None:
+    from dsa_dcp.kernels import index_scores_reference, topk_select_reference
+
+    scores = case.scores()
+    ref = index_scores_reference(*case.args())
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isneginf(scores), torch.isneginf(ref))
+    rel = ((scores - ref)[fin].abs().max() / ref[fin].abs().max()).item()
+    assert rel < 1e-3, ("index_scores", rel)
+    assert torch.equal(case.ours(), topk_select_reference(scores, K, case.page_tables[0], case.req_ids, PAGE))
+    # the composition selects from its own fp32 scores: the same set but for near-ties
+    theirs = indexer_torch(*case.args(), K)
+    overlap = _overlap(case.ours(), theirs)
+    assert overlap > 0.99, ("torch composition", overlap)
+    if inductor is not None:
+        assert _overlap(case.ours(), inductor(*case.args(), K)) > 0.99, "inductor"
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Share of the valid slots of ``a`` also in the same row of ``b``."""
+    a_sorted, b_sorted = a.long().sort(dim=1).values, b.long().sort(dim=1).values
+    hit = torch.searchsorted(b_sorted, a_sorted)
+    found = b_sorted.gather(1, hit.clamp(max=b.shape[1] - 1)) == a_sorted
+    valid = a_sorted >= 0
+    return (found & valid).sum().item() / max(valid.sum().item(), 1)
+
+
+def bench_indexer(batches, contexts, keys, heads, inductor_mode: str, copy_bw: float, out: list) -> None:
+    max_slots = max(batches) * max(contexts)
+    cache = KeyCache(max_slots)
+    compiled = {}
+
+    def inductor_fn(shape_key):
+        if inductor_mode == "off":
+            return None
+        key = shape_key if inductor_mode == "static" else "dynamic"
+        if key not in compiled:
+            compiled[key] = torch.compile(indexer_torch, dynamic=inductor_mode == "dynamic")
+        return compiled[key]
+
+    for kd, hi, b, ctx in itertools.product(keys, heads, batches, contexts):
+        case = IndexerCase(cache, b, ctx, kd, hi)
+        row = {"part": "indexer", "keys": kd, "Hi": hi, "B": b, "ctx": ctx, "K": K, "bytes": case.bytes}
+        fn = inductor_fn((kd, hi, b, ctx))
+        try:
+            _check_indexer(case, fn)
+        except torch.OutOfMemoryError:
+            fn = None  # the composition's fp32 [B, C, Di] copy did not fit: time ours only
+        from dsa_dcp.kernels import topk_select_triton
+
+        row["ours_us"] = graph_us([lambda v=v: case.ours(v) for v in range(case.views)] * max(1, GRAPH_CALLS // case.views))
+        row["scores_us"] = graph_us([lambda v=v: case.scores(v) for v in range(case.views)]
+                                    * max(1, GRAPH_CALLS // case.views))  # fmt: skip
+        scores = case.scores()
+        row["topk_us"] = graph_us([lambda: topk_select_triton(scores, K, case.page_tables[0], case.req_ids, PAGE)]
+                                  * GRAPH_CALLS)  # fmt: skip
+        row["ours_GBps"] = case.bytes / row["ours_us"] / 1e3
+        row["floor_us"] = case.bytes / copy_bw / 1e3
+        row["ours_over_floor"] = row["ours_us"] / row["floor_us"]
+        calls = 1 if b * ctx >= 32 * 32768 else 3
+        for name, f in (("torch", indexer_torch), ("inductor", fn)):
+            if f is None:
+                continue
+            try:
+                row[f"{name}_us"] = graph_us([lambda f=f: f(*case.args(), K)] * calls, rep=25)
+                row[f"{name}_over_ours"] = row[f"{name}_us"] / row["ours_us"]
+            except torch.OutOfMemoryError:
+                row[f"{name}_us"] = None
+            torch.cuda.empty_cache()
+        out.append(row)
+        print(f"# indexer {kd} Hi={hi} B={b} ctx={ctx}: ours {row['ours_us']:.1f} us", file=sys.stderr)
+    del cache
+    torch.cuda.empty_cache()
+
+
+def _topk_inputs(b: int, ctx: int):
+    scores = torch.randn(b, ctx, device="cuda")
+    page_table = torch.randperm(b * (ctx // PAGE), device="cuda").view(b, ctx // PAGE).int()
+    return scores, page_table, torch.arange(b, device="cuda")
+
+
+def _split_chunks(b: int, ctx: int) -> int:
+    from dsa_dcp.kernels.indexer import _sm_count
+
+    return max(2, min(math.ceil(2 * _sm_count(torch.device("cuda")) / b), ctx // 1024))
+
+
+def bench_topk(batches, contexts, out: list) -> None:
+    from dsa_dcp.kernels import topk_select_reference, topk_select_triton
+
+    for b, ctx in itertools.product(batches, contexts):
+        scores, pt, req = _topk_inputs(b, ctx)
+        ref = topk_select_reference(scores, K, pt, req, PAGE)
+        split = _split_chunks(b, ctx)
+        row = {"part": "topk", "B": b, "ctx": ctx, "K": K, "bytes": b * ctx * 4 + b * K * 4, "split_chunks": split}
+        for name, chunks in (("ours", None), ("row", 1), ("split", split)):
+            assert torch.equal(topk_select_triton(scores, K, pt, req, PAGE, chunks=chunks), ref), (name, b, ctx)
+            row[f"{name}_us"] = graph_us([lambda c=chunks: topk_select_triton(scores, K, pt, req, PAGE, chunks=c)]
+                                         * GRAPH_CALLS)  # fmt: skip
+        row["torch_us"] = graph_us([lambda: torch.topk(scores, K, dim=-1)] * GRAPH_CALLS)
+        row["ours_GBps"] = row["bytes"] / row["ours_us"] / 1e3
+        row["torch_over_ours"] = row["torch_us"] / row["ours_us"]
+        out.append(row)
+        print(f"# topk B={b} ctx={ctx}: ours {row['ours_us']:.1f} us, torch {row['torch_us']:.1f} us", file=sys.stderr)
+
+
+def bench_remap(batches, contexts, out: list, n: int = 2) -> None:
+    from dsa_dcp.kernels import topk_remap_reference, topk_remap_triton, topk_select_remap_triton, topk_select_triton
+
+    for b, ctx in itertools.product(batches, contexts):
+        scores, pt, req = _topk_inputs(b, ctx)
+        topk = topk_select_triton(scores, K, pt, req, PAGE)
+        want = topk_remap_reference(topk, n, 0, 1)
+        got = topk_select_remap_triton(scores, K, n, 0, 1, pt, req, PAGE)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (b, ctx)
+        row = {"part": "remap", "B": b, "ctx": ctx, "K": K, "N": n}
+        row["topk_us"] = graph_us([lambda: topk_select_triton(scores, K, pt, req, PAGE)] * GRAPH_CALLS)
+        row["fused_us"] = graph_us([lambda: topk_select_remap_triton(scores, K, n, 0, 1, pt, req, PAGE)] * GRAPH_CALLS)
+        row["composed_us"] = graph_us(
+            [lambda: topk_remap_triton(topk_select_triton(scores, K, pt, req, PAGE), n, 0, 1)] * GRAPH_CALLS)
+        row["fused_over_topk"] = row["fused_us"] / row["topk_us"]
+        out.append(row)
+
+
+SCORE_TILES = [dict(block_c=bc, num_warps=wp, num_stages=st) for bc in (32, 64, 128) for wp in (4, 8) for st in (2, 3, 4)]
+
+
+def bench_score_tiles(keys, heads, out: list, b: int = 32, ctx: int = 32768) -> None:
+    """``--only tiles``: index_scores at one shape for each tile candidate (the default first)."""
+    from dsa_dcp.kernels import index_scores_reference, index_scores_triton
+
+    cache = KeyCache(b * ctx * 2)
+    for kd, hi in itertools.product(keys, heads):
+        case = IndexerCase(cache, b, ctx, kd, hi)
+        ref = index_scores_reference(*case.args())
+        fin = torch.isfinite(ref)
+        for tiles in [{}] + SCORE_TILES:
+            got = index_scores_triton(*case.args(), **tiles)
+            assert ((got - ref)[fin].abs().max() / ref[fin].abs().max()).item() < 1e-3, tiles
+            us = graph_us([lambda v=v: index_scores_triton(*case.args(v), **tiles) for v in range(case.views)]
+                          * max(1, GRAPH_CALLS // case.views))  # fmt: skip
+            key_bytes = b * ctx * (DI * case.cache.element_size() + (4 if kd == "fp8" else 0))
+            out.append({"part": "tiles", "keys": kd, "Hi": hi, "B": b, "ctx": ctx, "tiles": str(tiles or "default"),
+                        "us": us, "key_GBps": key_bytes / us / 1e3})  # fmt: skip
+        del ref
+    del cache
+    torch.cuda.empty_cache()
+
+
+COLUMNS = {
+    "indexer": ["keys", "Hi", "B", "ctx", "ours_us", "scores_us", "topk_us", "floor_us", "ours_over_floor",
+                "ours_GBps", "torch_us", "inductor_us", "torch_over_ours", "inductor_over_ours"],
+    "topk": ["B", "ctx", "ours_us", "row_us", "split_us", "split_chunks", "torch_us", "torch_over_ours", "ours_GBps"],
+    "remap": ["B", "ctx", "N", "topk_us", "fused_us", "composed_us", "fused_over_topk"],
+    "tiles": ["keys", "Hi", "B", "ctx", "tiles", "us", "key_GBps"],
+}  # fmt: skip
+
+
+def format_tables(rows: list[dict]) -> str:
+    out = []
+    for part, cols in COLUMNS.items():
+        sel = [r for r in rows if r["part"] == part]
+        if not sel:
+            continue
+        out.append(f"\n{part}\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+        for r in sel:
+            cells = [("-" if r.get(c) is None else f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c])) for c in cols]
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(args) -> int:
+    torch.manual_seed(0)
+    only = set(args.only or ("indexer", "topk", "remap"))
+    rows: list[dict] = []
+    bw = copy_GBps()
+
+    def save():
+        if args.json:  # after each part, so a run stopped by a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "versions": versions(), "copy_GBps": bw,
+                           "rows": rows}, f, indent=1)  # fmt: skip
+
+    if "topk" in only:
+        bench_topk(args.batches, args.contexts, rows)
+        save()
+    if "remap" in only:
+        bench_remap(args.batches, args.contexts, rows)
+        save()
+    if "indexer" in only:
+        bench_indexer(args.batches, args.contexts, args.keys, args.heads, args.inductor, bw, rows)
+        save()
+    if "tiles" in only:
+        bench_score_tiles(args.keys, args.heads, rows)
+        save()
+    print(f"device {torch.cuda.get_device_name()}, {versions()}, copy {bw:.0f} GB/s")
+    print(format_tables(rows))
+    return 0

@@ -1,0 +1,527 @@
+"""The lightning indexer's kernels (dsa_dcp/kernels/indexer.py) against their torch references
+and against independent checks: an fp64 score, ``torch.topk``'s values, ``topk_remap``.
+
+On CPU the Triton kernels run under the interpreter at tiny shapes (every kernel variant: the
+one-program-a-row top-k and the chunked passes, with and without the remap, bf16/fp32/FP8 keys).
+On a GPU machine (``TRITON_INTERPRET=0``) the same cases run on CUDA tensors with the compiled
+kernels, and the ``gpu``-marked cases check real sizes (B = 32, C = 32768, K = 2048).
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter  # noqa: E402
+
+ix = importlib.import_module("dsa_dcp.kernels.indexer")
+remap_mod = importlib.import_module("dsa_dcp.kernels.topk_remap")
+
+INF = float("inf")
+NAN = float("nan")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_or_fresh_process(request):
+    if NEEDS_FRESH_PROCESS and request.node.originalname != "test_in_fresh_interpreter":
+        pytest.skip(SKIP_REASON)
+
+
+@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the interpreter works in this process")
+def test_in_fresh_interpreter():
+    rerun_in_fresh_interpreter(__file__, timeout=600)
+
+
+def _gen(*params) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(params).encode()))
+
+
+def _dev(*ts):
+    return [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+# ---------------------------------------------------------------------------------------------
+# index_scores
+
+
+def _paged_step(gen, T=5, R=4, max_pages=6, page=4, pages_total=40):
+    """A step of T rows over R requests: a shuffled page pool, -1 pages, rows of one request at
+    several positions, a position past the capacity, a row without a request."""
+    page_table = torch.randperm(pages_total, generator=gen)[: R * max_pages].view(R, max_pages).to(torch.int32)
+    page_table[1, 2] = -1  # a hole inside request 1's pages
+    page_table[3, 4:] = -1  # request 3 has fewer pages than the capacity
+    req_ids = torch.tensor([1, 1, 0, 3, -1, 2, 2][:T], dtype=torch.int64)
+    C = max_pages * page
+    positions = torch.tensor([9, 13, C + 5, 21, 3, 0, 7][:T], dtype=torch.int64)
+    return page_table, req_ids, positions, page
+
+
+def _brute_scores(q, w, keys, page_table, req_ids, positions, page):
+    """fp64 scores and the per-entry error scale sum_h |w| sum_d |q k| (Python loops over rows)."""
+    T, Hi, Di = q.shape
+    C = page_table.shape[1] * page
+    score = torch.full((T, C), -INF, dtype=torch.float64)
+    scale = torch.zeros((T, C), dtype=torch.float64)
+    qd, wd, kd = q.double(), w.double(), keys.double()
+    for t in range(T):
+        r = int(req_ids[t])
+        for p in range(C):
+            pg = int(page_table[r, p // page]) if r >= 0 else -1
+            if p > int(positions[t]) or pg < 0:
+                continue
+            k = kd[pg * page + p % page]
+            dots = qd[t] @ k
+            score[t, p] = (wd[t] * dots.relu()).sum()
+            scale[t, p] = (wd[t].abs() * (qd[t].abs() @ k.abs())).sum()
+    return score, scale
+
+
+KEY_CASES = ["fp32", "bf16", "fp8-row", "fp8-tensor"]
+
+
+def _keys(gen, S, Di, case):
+    """(cache, key_scale, dequantized fp64 keys)."""
+    real = torch.randn((S, Di), generator=gen, dtype=torch.float64)
+    if case == "fp32":
+        return real.float(), None, real.float().double()
+    if case == "bf16":
+        return real.bfloat16(), None, real.bfloat16().double()
+    if case == "fp8-row":
+        scale = (real.abs().amax(dim=1) / 448.0).float()
+        cache = (real / scale.double()[:, None]).to(torch.float8_e4m3fn)
+        return cache, scale, cache.double() * scale.double()[:, None]
+    scale = (real.abs().amax() / 448.0).float().reshape(())
+    cache = (real / scale.double()).to(torch.float8_e4m3fn)
+    return cache, scale, cache.double() * scale.double()
+
+
+@pytest.mark.parametrize("keys", KEY_CASES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hi,Di,span", [(4, 16, None), (3, 20, 32)])
+def test_index_scores(keys, q_dtype, Hi, Di, span):
+    """Hi/Di not powers of two (padded heads and columns), several programs a row (span)."""
+    gen = _gen("scores", keys, q_dtype, Hi, Di)
+    page_table, req_ids, positions, page = _paged_step(gen)
+    T, S = req_ids.shape[0], 40 * page
+    q = torch.randn((T, Hi, Di), generator=gen).to(q_dtype)
+    w = torch.randn((T, Hi), generator=gen) * Hi**-0.5
+    cache, key_scale, dequant = _keys(gen, S, Di, keys)
+    exp, err_scale = _brute_scores(q, w, dequant, page_table, req_ids, positions, page)
+    args = _dev(q, w, cache, key_scale, page_table, req_ids, positions)
+    ref = ix.index_scores_reference(*args, page)
+    tri = ix.index_scores_triton(*args, page, block_c=16, span=span)
+    for what, got in (("reference", ref), ("triton", tri)):
+        got = got.cpu().double()
+        assert got.dtype == torch.float64 and got.shape == exp.shape
+        assert torch.equal(torch.isneginf(got), torch.isneginf(exp)), f"{what}: -inf (invalid) positions differ"
+        fin = torch.isfinite(exp)
+        assert not torch.isnan(got).any(), what
+        err = (got[fin] - exp[fin]).abs()
+        assert (err <= 1e-5 * err_scale[fin] + 1e-30).all(), f"{what}: max err {err.max():.3e}"
+    # the reference in fp64 is the brute force
+    ref64 = ix.index_scores_reference(*args, page, compute_dtype=torch.float64).cpu().double()
+    fin = torch.isfinite(exp)
+    assert torch.equal(torch.isneginf(ref64), torch.isneginf(exp))
+    assert ((ref64[fin] - exp[fin]).abs() <= 1e-6 * err_scale[fin] + 1e-30).all()
+
+
+def test_index_scores_nan_propagates_only_from_valid_keys():
+    """A NaN key row read by a valid candidate makes that score NaN (as the model); NaN in rows
+    no valid candidate names (unwritten cache rows, masked positions) never leaks."""
+    gen = _gen("scores-nan")
+    page_table, req_ids, positions, page = _paged_step(gen)
+    T, Hi, Di, S = req_ids.shape[0], 4, 16, 160
+    q = torch.randn((T, Hi, Di), generator=gen).bfloat16()
+    w = torch.randn((T, Hi), generator=gen)
+    cache = torch.randn((S, Di), generator=gen).bfloat16()
+    # rows 0 and 1 (request 1, positions 9 and 13): candidate 2 is valid for both, candidate 20
+    # (page 5) for neither; one page is in no request's table at all
+    slot_valid = int(page_table[1, 0]) * page + 2
+    slot_masked = int(page_table[1, 5]) * page
+    unused = sorted(set(range(40)) - set(page_table.flatten().tolist()))[0]
+    cache[slot_valid, 5] = NAN
+    cache[slot_masked] = NAN
+    cache[unused * page:(unused + 1) * page] = NAN
+    for fn in (ix.index_scores_reference, ix.index_scores_triton):
+        out = fn(*_dev(q, w, cache, None, page_table, req_ids, positions), page).cpu()
+        assert torch.isnan(out[0, 2]) and torch.isnan(out[1, 2]), fn.__name__
+        nan = torch.isnan(out)
+        # every NaN is a valid candidate whose slot is the NaN row
+        cand = ix.candidate_slots(page_table, req_ids, page)
+        p = torch.arange(cand.shape[1])
+        valid = (p[None] <= positions[:, None]) & (cand >= 0)
+        assert (valid[nan]).all() and (cand[nan] == slot_valid).all(), fn.__name__
+        assert torch.isneginf(out[~valid]).all(), fn.__name__
+
+
+@pytest.mark.parametrize("T,Hi,max_pages,R", [(0, 4, 3, 2), (3, 4, 0, 2), (3, 0, 3, 2), (3, 4, 3, 0)])
+def test_index_scores_empty(T, Hi, max_pages, R):
+    q = torch.randn(T, Hi, 16)
+    w = torch.randn(T, Hi)
+    cache = torch.randn(48, 16)
+    page_table = torch.arange(R * max_pages, dtype=torch.int32).view(R, max_pages)
+    req_ids = torch.zeros(T, dtype=torch.int64) if R else torch.full((T,), -1, dtype=torch.int64)
+    positions = torch.full((T,), 5, dtype=torch.int64)
+    ref = ix.index_scores_reference(*_dev(q, w, cache, None, page_table, req_ids, positions), 4)
+    tri = ix.index_scores_triton(*_dev(q, w, cache, None, page_table, req_ids, positions), 4)
+    assert ref.shape == tri.shape == (T, max_pages * 4)
+    assert torch.equal(ref.cpu(), tri.cpu())
+
+
+def test_index_scores_rejects_bad_inputs():
+    q, w, cache = torch.randn(2, 4, 16), torch.randn(2, 4), torch.randn(32, 16)
+    pt, req, pos = torch.zeros(1, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    fp8 = cache.to(torch.float8_e4m3fn)
+    bad = [
+        ((q, w, fp8, None, pt, req, pos, 4), "key_scale"),
+        ((q, w, cache, torch.ones(32), pt, req, pos, 4), "only for FP8"),
+        ((q, w, fp8, torch.ones(31), pt, req, pos, 4), "key_scale must be"),
+        ((q, w[:, :3], cache, None, pt, req, pos, 4), "w must be"),
+        ((q, w, cache[:, :8], None, pt, req, pos, 4), "Di"),
+        ((q, w, cache, None, pt, req[:1], pos, 4), "T = 2"),
+        ((q, w, cache, None, pt, req, pos, 0), "page_size"),
+        ((q, w, cache, None, pt.float(), req, pos, 4), "page_table"),
+    ]
+    for args, match in bad:
+        for fn in (ix.index_scores_reference, ix.index_scores_triton):
+            with pytest.raises(ValueError, match=match):
+                fn(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# topk_select
+
+
+def _check_against_topk(scores, got, k):
+    """The contract against the model's torch.topk: the selected positions are distinct, in
+    ascending order, hold exactly the top values (NaN first, -inf never), -1 after them."""
+    T, C = scores.shape
+    for t in range(T):
+        row = scores[t].double()
+        n = min(k, C)
+        top = torch.topk(row, n).values if n else row[:0]
+        want = top[~torch.isneginf(top)]
+        idx = got[t].long()
+        cnt = int((idx >= 0).sum())
+        assert cnt == want.numel(), f"row {t}: {cnt} selected, want {want.numel()}"
+        assert (idx[cnt:] == -1).all() and (idx[:cnt] >= 0).all(), f"row {t}: -1 tail"
+        sel = idx[:cnt]
+        assert (sel[1:] > sel[:-1]).all(), f"row {t}: positions not ascending and distinct"
+        vals = row[sel].sort(descending=True).values  # sort puts NaN first, as topk does
+        assert torch.equal(torch.isnan(vals), torch.isnan(want)), f"row {t}: NaN count"
+        fin = ~torch.isnan(want)
+        assert torch.equal(vals[fin], want[fin]), f"row {t}: selected values differ from torch.topk's"
+
+
+def _tricky_scores(gen, T, C):
+    """Rows with ties, NaN, +-inf, -0.0/+0.0, shorter than K, empty."""
+    s = torch.randint(-3, 4, (T, C), generator=gen).float() * 0.5  # many equal values
+    s[0] = torch.randn(C, generator=gen)  # distinct
+    if T > 1:
+        s[1, C // 3:] = -INF  # fewer valid candidates than K
+    if T > 2:
+        s[2] = -INF  # no valid candidate
+    if T > 3:
+        s[3, ::5] = NAN
+        s[3, 1::7] = INF
+    if T > 4:
+        s[4, ::2] = -0.0
+        s[4, 1::2] = 0.0
+    return s
+
+
+SELECT_CASES = [
+    # (T, C, k, chunks, block): chunks 1 = one program a row; > 1 = the pass kernels
+    (5, 64, 10, 1, 16),
+    (5, 64, 10, 3, 16),
+    (5, 48, 64, 2, 16),  # k > C
+    (5, 40, 40, 1, 16),  # k == C
+]
+
+
+@pytest.mark.parametrize("T,C,k,chunks,block", SELECT_CASES)
+def test_topk_select(T, C, k, chunks, block):
+    scores = _tricky_scores(_gen("select", T, C, k), T, C)
+    ref = ix.topk_select_reference(scores.to(DEVICE), k).cpu()
+    tri = ix.topk_select_triton(scores.to(DEVICE), k, chunks=chunks, block=block).cpu()
+    assert ref.dtype == tri.dtype == torch.int32 and ref.shape == (T, k)
+    _check_against_topk(scores, ref, k)
+    assert torch.equal(tri, ref), "the kernel and the reference break ties alike (lowest position first)"
+
+
+def test_topk_select_tie_rule():
+    """At the k-th value the lowest positions win; NaN ranks above +inf; -0.0 ties with +0.0."""
+    scores = torch.tensor([[1.0, 2.0, 2.0, 0.5, 2.0, 2.0, 3.0, -INF],
+                           [0.0, -0.0, 1.0, NAN, INF, -0.0, 0.0, NAN],
+                           [-INF] * 8])  # fmt: skip
+    want = torch.tensor([[1, 2, 4, 6], [2, 3, 4, 7], [-1, -1, -1, -1]], dtype=torch.int32)
+    want5 = torch.tensor([0, 2, 3, 4, 7], dtype=torch.int32)  # k = 5 adds the first of the zeros
+    for chunks in (1, 2):
+        got = ix.topk_select_triton(scores.to(DEVICE), 4, chunks=chunks, block=16).cpu()
+        assert torch.equal(got, want), chunks
+        got5 = ix.topk_select_triton(scores.to(DEVICE), 5, chunks=chunks, block=16).cpu()
+        assert torch.equal(got5[1], want5), chunks
+    assert torch.equal(ix.topk_select_reference(scores, 4), want)
+    assert torch.equal(ix.topk_select_reference(scores, 5)[1], want5)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_topk_select_slots(chunks):
+    """Through the page table: global slots, -1 for a negative page, all -1 for a row without a
+    request; rows of several requests."""
+    gen = _gen("select-slots", chunks)
+    page_table, req_ids, _, page = _paged_step(gen)
+    T, C = req_ids.shape[0], page_table.shape[1] * page
+    scores = torch.randn((T, C), generator=gen)
+    scores[1, 9] = 5.0  # a finite score at a candidate whose page is -1 (request 1, page 2)
+    ref = ix.topk_select_reference(*_dev(scores, 7, page_table, req_ids), page).cpu()
+    tri = ix.topk_select_triton(*_dev(scores, 7, page_table, req_ids), page, chunks=chunks, block=16).cpu()
+    assert torch.equal(tri, ref)
+    pos = ix.topk_select_reference(scores, 7)
+    cand = ix.candidate_slots(page_table, req_ids, page)
+    for t in range(T):
+        want = [int(cand[t, p]) if p >= 0 else -1 for p in pos[t].tolist()]
+        if req_ids[t] < 0:
+            want = [-1] * 7
+        assert ref[t].tolist() == want, t
+    at = pos[1].tolist().index(9)  # row 1's best candidate has no page: selected, -1 in its place
+    assert ref[1, at] == -1 and (ref[1, :at] >= 0).any() | (ref[1, at + 1:] >= 0).any()
+
+
+def test_request_ids_past_the_table_read_nothing():
+    """An id >= R is out of contract: the reference raises, the kernels give the row nothing."""
+    gen = _gen("req-past")
+    page_table, req_ids, positions, page = _paged_step(gen)
+    req_ids[0] = page_table.shape[0]
+    q, w, cache = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, generator=gen), torch.randn(160, 16)
+    args = _dev(q, w, cache, None, page_table, req_ids, positions)
+    with pytest.raises(IndexError):
+        ix.index_scores_reference(*args, page)
+    scores = ix.index_scores_triton(*args, page).cpu()
+    assert torch.isneginf(scores[0]).all() and torch.isfinite(scores[1, :2]).all()
+    scores[0] = torch.randn(scores.shape[1], generator=gen)  # finite scores for the row: still nothing
+    for chunks in (1, 2):
+        topk = ix.topk_select_triton(*_dev(scores, 5, page_table, req_ids), page, chunks=chunks, block=16).cpu()
+        assert (topk[0] == -1).all() and (topk[1] >= 0).any(), chunks
+
+
+@pytest.mark.parametrize("T,C,k", [(0, 8, 4), (3, 8, 0), (3, 0, 4)])
+def test_topk_select_empty(T, C, k):
+    scores = torch.randn(T, C, device=DEVICE)
+    for fn in (ix.topk_select_reference, ix.topk_select_triton):
+        out = fn(scores, k)
+        assert out.shape == (T, k) and out.dtype == torch.int32 and (out == -1).all()
+    local, count = ix.topk_select_remap_triton(scores, k, 2, 1)
+    assert local.shape == (T, k) and count.shape == (T,) and (local == -1).all() and (count == 0).all()
+
+
+def test_topk_select_rejects_bad_inputs():
+    s = torch.randn(2, 8)
+    pt, req = torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+    for fn in (ix.topk_select_reference, ix.topk_select_triton):
+        with pytest.raises(ValueError, match="come together"):
+            fn(s, 3, pt, None)
+        with pytest.raises(ValueError, match="max_pages"):
+            fn(s, 3, pt, req, 3)
+        with pytest.raises(ValueError, match="k must be"):
+            fn(s, -1)
+        with pytest.raises(ValueError, match="scores"):
+            fn(s.long(), 3)
+    with pytest.raises(ValueError, match="rank"):
+        ix.topk_select_remap_triton(s, 3, 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# topk_select_remap
+
+
+REMAP_CASES = [(1, 1), (2, 1), (3, 2)]
+
+
+@pytest.mark.parametrize("N,I", REMAP_CASES)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_topk_select_remap(N, I, chunks):
+    """Fused == topk_select then topk_remap, exactly, on every rank; the chunked form with ties at
+    the threshold spread over several chunks (the partly selected chunk is scanned again)."""
+    gen = _gen("remap", N, I, chunks)
+    page_table, req_ids, _, page = _paged_step(gen)
+    T, C = req_ids.shape[0], page_table.shape[1] * page
+    scores = torch.randint(0, 3, (T, C), generator=gen).float()  # ties at the threshold everywhere
+    scores[0] = torch.randn(C, generator=gen)
+    scores[2, 5:] = -INF
+    k = 9
+    args = _dev(scores, k)
+    pt_args = _dev(page_table, req_ids)
+    topk = ix.topk_select_triton(*args, *pt_args, page, chunks=chunks, block=8)
+    assert torch.equal(topk.cpu(), ix.topk_select_reference(*args, *pt_args, page).cpu())
+    if chunks > 1:  # rows whose ties at the threshold straddle chunks (8 candidates a chunk)
+        straddle = 0
+        for t in range(T):
+            kth = scores[t].sort(descending=True).values[k - 1]
+            chunks_with_ties = {p // 8 for p in (scores[t] == kth).nonzero().flatten().tolist()}
+            straddle += len(chunks_with_ties) > 1 and int((scores[t] >= kth).sum()) > k
+        assert straddle >= 2
+    total = torch.zeros(T, dtype=torch.int64)
+    for r in range(N):
+        want_local, want_count = remap_mod.topk_remap_reference(topk, N, r, I)
+        local, count = ix.topk_select_remap_triton(*args, N, r, I, *pt_args, page, chunks=chunks, block=8)
+        assert torch.equal(local.cpu(), want_local.cpu()) and torch.equal(count.cpu(), want_count.cpu()), r
+        ref_local, ref_count = ix.topk_select_remap_reference(*args, N, r, I, *pt_args, page)
+        assert torch.equal(ref_local.cpu(), want_local.cpu()) and torch.equal(ref_count.cpu(), want_count.cpu()), r
+        total += count.cpu().long()
+    assert torch.equal(total, (topk.cpu() >= 0).sum(1)), "every selected slot on exactly one rank"
+
+
+def test_topk_select_remap_positions():
+    """Without a page table the candidate positions are the slots."""
+    scores = _tricky_scores(_gen("remap-positions"), 5, 40)
+    topk = ix.topk_select_reference(scores, 12)
+    for chunks in (1, 2):
+        for r in (0, 2):
+            local, count = ix.topk_select_remap_triton(scores.to(DEVICE), 12, 3, r, chunks=chunks, block=16)
+            want = remap_mod.topk_remap_reference(topk, 3, r, 1)
+            assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (chunks, r)
+
+
+# ---------------------------------------------------------------------------------------------
+# property: the selected set equals the reference's on random inputs
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+VALUES = [-INF, -2.0, -0.5, -0.0, 0.0, 0.5, 1.0, 1.5, INF, NAN]
+
+
+@settings(max_examples=8)
+@given(
+    T=st.integers(1, 3),
+    C=st.integers(1, 40),
+    k=st.integers(1, 48),
+    chunks=st.integers(1, 3),
+    data=st.data(),
+)
+def test_topk_select_property(T, C, k, chunks, data):
+    kind = data.draw(st.sampled_from(["few values", "random"]))
+    if kind == "few values":
+        cells = data.draw(st.lists(st.sampled_from(VALUES), min_size=T * C, max_size=T * C))
+        scores = torch.tensor(cells, dtype=torch.float32).view(T, C)
+    else:
+        seed = data.draw(st.integers(0, 2**31 - 1))
+        scores = torch.randn((T, C), generator=torch.Generator().manual_seed(seed))
+    ref = ix.topk_select_reference(scores, k)
+    _check_against_topk(scores, ref, k)
+    tri = ix.topk_select_triton(scores.to(DEVICE), k, chunks=chunks, block=16).cpu()
+    assert torch.equal(tri, ref)
+    n, r = data.draw(st.integers(1, 3)), 0
+    local, count = ix.topk_select_remap_triton(scores.to(DEVICE), k, n, r, chunks=chunks, block=16)
+    want = remap_mod.topk_remap_reference(ref, n, r, 1)
+    assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# the ops
+
+
+def test_ops_cpu_meaning_and_opcheck():
+    from dsa_dcp import ops
+
+    gen = _gen("ops")
+    page_table, req_ids, positions, page = _paged_step(gen)
+    T, Hi, Di = req_ids.shape[0], 4, 16
+    q, w, cache = torch.randn(T, Hi, Di, generator=gen), torch.randn(T, Hi, generator=gen), torch.randn(160, Di, generator=gen)
+    scores = ops.INDEX_SCORES(q, w, cache, None, page_table, req_ids, positions, page)
+    assert torch.equal(scores, ix.index_scores_reference(q, w, cache, None, page_table, req_ids, positions, page))
+    topk = ops.TOPK_SELECT(scores, page_table, req_ids, page, 6)
+    assert torch.equal(topk, ix.topk_select_reference(scores, 6, page_table, req_ids, page))
+    local, count = ops.TOPK_SELECT_REMAP(scores, page_table, req_ids, page, 6, 2, 1, 1)
+    want = remap_mod.topk_remap_reference(topk, 2, 1, 1)
+    assert torch.equal(local, want[0]) and torch.equal(count, want[1])
+    torch.library.opcheck(ops.index_scores, (q, w, cache, None, page_table, req_ids, positions, page))
+    torch.library.opcheck(ops.topk_select, (scores, page_table, req_ids, page, 6))
+    torch.library.opcheck(ops.topk_select_remap, (scores, page_table, req_ids, page, 6, 2, 1, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# real sizes on the GPU
+
+
+def _real_step(B, C, Hi, Di, page, key_dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = C // page
+    page_table = torch.randperm(B * pages, device="cuda", generator=g).view(B, pages).int()
+    req_ids = torch.arange(B, device="cuda")
+    positions = torch.randint(C // 2, C, (B,), device="cuda", generator=g)
+    positions[0] = C - 1
+    q = torch.randn(B, Hi, Di, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(B, Hi, device="cuda", generator=g) * (Hi * Di) ** -0.5
+    keys = torch.randn(B * C, Di, device="cuda", generator=g)
+    if key_dtype == "fp8":
+        scale = keys.abs().amax(dim=1) / 448.0
+        return q, w, (keys / scale[:, None]).to(torch.float8_e4m3fn), scale, page_table, req_ids, positions
+    return q, w, keys.bfloat16(), None, page_table, req_ids, positions
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_dtype", ["bf16", "fp8"])
+def test_indexer_real_size_gpu(key_dtype):
+    B, C, K, Hi, Di, page = 32, 32768, 2048, 64, 128, 64
+    q, w, cache, scale, page_table, req_ids, positions = _real_step(B, C, Hi, Di, page, key_dtype)
+    ref = ix.index_scores_reference(q, w, cache, scale, page_table, req_ids, positions, page,
+                                    compute_dtype=torch.float64)  # fmt: skip
+    got = ix.index_scores_triton(q, w, cache, scale, page_table, req_ids, positions, page)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    rel = ((got.double() - ref.double())[fin].abs().max() / ref[fin].abs().max()).item()
+    assert rel < 1e-4, rel
+    for chunks in (None, 1, 16):
+        tri = ix.topk_select_triton(got, K, page_table, req_ids, page, chunks=chunks)
+        assert torch.equal(tri, ix.topk_select_reference(got, K, page_table, req_ids, page)), chunks
+        for n in (2, 4):
+            local, count = ix.topk_select_remap_triton(got, K, n, 1, 1, page_table, req_ids, page, chunks=chunks)
+            want = remap_mod.topk_remap_reference(tri, n, 1, 1)
+            assert torch.equal(local, want[0]) and torch.equal(count, want[1]), (chunks, n)
+    _check_against_topk(got[:4].cpu(), ix.topk_select_triton(got[:4], K).cpu(), K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,C", [(1, 131072), (128, 4096), (8, 32768)])
+def test_topk_select_shapes_gpu(B, C):
+    g = torch.Generator(device="cuda").manual_seed(B)
+    scores = torch.randn(B, C, device="cuda", generator=g)
+    scores[:, -7:] = -INF
+    for k in (512, 1024, 2048):
+        ref = ix.topk_select_reference(scores, k)
+        for chunks in (None, 1, 4):
+            assert torch.equal(ix.topk_select_triton(scores, k, chunks=chunks), ref), (k, chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# the bench's baseline is the model's composition
+
+
+def test_bench_composition_matches_the_ops():
+    """``bench indexer`` times ours against ``indexer_torch``: the same slots (set per row) as
+    index_scores then topk_select, for bf16 and FP8 keys; its overlap helper counts set overlap."""
+    bench = importlib.import_module("dsa_dcp.bench.indexer")
+    gen = _gen("bench")
+    page_table, req_ids, positions, page = _paged_step(gen)
+    T, Hi, Di = req_ids.shape[0], 4, 16
+    q, w = torch.randn(T, Hi, Di, generator=gen), torch.randn(T, Hi, generator=gen)
+    for case in ("fp32", "fp8-row"):
+        cache, key_scale, _ = _keys(gen, 160, Di, case)
+        args = (q, w, cache, key_scale, page_table, req_ids, positions, page)
+        theirs = bench.indexer_torch(*args, 7)
+        ours = ix.topk_select_reference(ix.index_scores_reference(*args), 7, page_table, req_ids, page)
+        # (a row without a request, req_ids = -1, is empty for the ops; the model clamps it to
+        # request 0, and its padding rows are (req 0, position -1): empty both ways)
+        has = req_ids >= 0
+        assert torch.equal(theirs[has].sort(dim=1).values, ours[has].sort(dim=1).values), case
+        assert bench._overlap(ours[has], theirs[has]) == 1.0
+    a = torch.tensor([[3, 5, -1], [1, 2, 4]])
+    assert bench._overlap(a, torch.tensor([[5, 9, 3], [2, 7, 8]])) == 3 / 5
