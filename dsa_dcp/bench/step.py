@@ -52,7 +52,8 @@ def hbm_floor_us(model: torch.nn.Module, cfg, batch: int, context: int) -> float
     return (weights + kv + keys) / H200_COPY_BYTES_PER_S * 1e6
 
 
-def run_step_bench(spec: StepBenchSpec) -> list[dict]:
+def run_step_bench(spec: StepBenchSpec):
+    """Yields one row per batch size (so a run cut short keeps the rows it measured)."""
     import triton
 
     from dsa_dcp.bench.kinds import kernel_us_by_kind
@@ -64,7 +65,6 @@ def run_step_bench(spec: StepBenchSpec) -> list[dict]:
     device = torch.device("cuda")
     dtype = getattr(torch, spec.dtype)
     cfg = get_config("glm5", n_layers=spec.layers, intermediate_size=spec.intermediate, vocab_size=spec.vocab)
-    rows = []
     for batch in spec.batches:
         inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, device)
         torch.manual_seed(0)
@@ -109,11 +109,10 @@ def run_step_bench(spec: StepBenchSpec) -> list[dict]:
             torch.testing.assert_close(fx(*inputs), reference, rtol=2e-2, atol=2e-2)
             row["dsa_dcp_fx_us"] = timed(fx)
         row["dsa_dcp_over_stock"] = row["dsa_dcp_us"] / row["stock_us"]
-        rows.append(row)
         del variants, model, stock_plain, fx
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-    return rows
+        yield row
 
 
 def format_step_table(rows: list[dict]) -> str:
@@ -135,9 +134,12 @@ def format_step_table(rows: list[dict]) -> str:
 
 def main(args) -> int:
     spec = StepBenchSpec(layers=args.layers, batches=tuple(args.batches), context=args.context)
-    rows = run_step_bench(spec)
+    rows = []
+    for row in run_step_bench(spec):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
     print(format_step_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return 0
