@@ -189,7 +189,7 @@ EXPECTED_TOP = {
 }
 EXPECTED_SUMMARY = {
     "sparse_attention_nodes": int, "remaps": dict, "merges": dict, "collectives": dict,
-    "kernels_per_step": (str, dict), "kv_writes": int,
+    "kernels_per_step": (str, dict), "kv_writes": int, "weights": dict,
 }
 EXPECTED_REMAPS = {"before_sharing": int, "after_sharing": int, "sharing": str, "groups": list, "refusals": list}
 EXPECTED_COLLECTIVES = {"per_step": int, "sent_bytes_per_rank_per_step": int, "by_op": dict, "shapes_known": bool}
@@ -231,6 +231,9 @@ def test_json_schema_of_the_glm52_report(tiny):
     assert [p["name"] for p in data["passes"]][:3] == ["canonicalize", "localize_kv_writes", "dcp_rewrite"]
     assert "topk_remap" in data["passes"][2]["graph_after"] and "topk_remap" not in data["graph_input"]
     assert data["memory"]["dcp_size"] == 4 and data["memory"]["kv_dtype"] == "bf16"
+    # every rank holds the model's weights once: the head-sharded epilogue reads views of them
+    assert data["summary"]["weights"]["held_by_compiled_step"] == 0
+    assert data["summary"]["weights"]["bytes_per_rank"] > 0
 
 
 def test_factory_target_json_is_stable(monkeypatch):

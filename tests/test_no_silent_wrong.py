@@ -270,3 +270,49 @@ def test_a_step_recompiled_for_every_int_position_is_named():
                                                    "passed as an int") as caught:
             step(*args[:2], cache, *args[2:], start=4)
     assert "step_at" in str(caught[0].message) and "Pass positions as tensors" in str(caught[0].message)
+
+
+# --------------------------------------------------------------------------- epilogues in the wild
+
+
+class FusedWeightLayer(torch.nn.Module):
+    """An attention epilogue as published inference code writes it: the value up-projection sliced
+    per step out of a fused ``wkv_b`` parameter, the output projection with a bias, ``.type_as(x)``."""
+
+    def __init__(self, v: int = 5, hidden: int = 7):
+        super().__init__()
+        g = torch.Generator().manual_seed(9)
+        self.v = v
+        self.wkv_b = torch.nn.Parameter(torch.randn(H, 3 + v, DC, generator=g) * 0.3)  # [H, nope + v, Dc]
+        self.wo = torch.nn.Linear(H * v, hidden)
+        with torch.no_grad():
+            self.wo.weight.copy_(torch.randn(hidden, H * v, generator=g) * 0.3)
+            self.wo.bias.copy_(torch.randn(hidden, generator=g))
+
+    def forward(self, q_nope, q_pe, cache, topk, slots, rows):
+        OPS.kv_store.default(cache, slots, rows)
+        out, _ = OPS.sparse_mla.default(q_nope, q_pe, cache, topk, 0.3)
+        o = torch.einsum("bhc,hdc->bhd", out, self.wkv_b[:, -self.v:])  # a per-step slice of the fused weight
+        return self.wo(o.flatten(1).float()).type_as(q_nope)
+
+
+def _epilogue_rank(rank, world, merge):
+    layer = FusedWeightLayer()
+    cache = dsa_dcp.allocate_kv_cache(S, DC + DR, dcp_size=world)
+    step = torch.compile(layer, backend="dsa_dcp", fullgraph=True,
+                         options={"dcp_size": world, "merge": merge, "lowering": "fx"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DCPCompileWarning)  # no fallback to ag: the epilogue is sharded
+        with torch.no_grad():
+            out = step(*_inputs(8)[:2], cache, *_inputs(8)[2:])
+    return out, dsa_dcp.backend_report().summary
+
+
+@pytest.mark.parametrize("merge", ["a2a", "ag_rs"])
+def test_a_value_weight_sliced_from_a_fused_parameter_and_a_type_as_tail_are_sharded(merge):
+    layer = FusedWeightLayer()
+    with torch.no_grad():
+        ref = layer(*_inputs(8)[:2], torch.zeros(S, DC + DR), *_inputs(8)[2:])
+    for out, summary in run_on_ranks(_epilogue_rank, 2, merge):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert summary["collectives"] == {"a2a": 2, "ag_rs": 3}[merge]  # the merge's, + the epilogue's all-reduce

@@ -45,8 +45,8 @@ def inspect(compiled: Any, *, config: Any = None, kv_dtype: str = "bf16", slots:
             "torch.compile(..., backend='dsa_dcp') and call it once (dynamo compiles on the first call)"
         )
     report = reports[-1]
+    module = getattr(compiled, "_orig_mod", compiled)
     if config is None:
-        module = getattr(compiled, "_orig_mod", compiled)
         config = getattr(module, "cfg", None)
     plan = None
     if config is not None and (isinstance(config, str) or hasattr(config, "kv_dim")):
@@ -55,7 +55,9 @@ def inspect(compiled: Any, *, config: Any = None, kv_dtype: str = "bf16", slots:
     if target is None:
         target = {"name": _describe(compiled), "how": "compiled by torch.compile in this process",
                   "process_group": report.process_group or "unknown"}
-    return Inspection(report=report, target=target, memory=plan, compilations=len(reports))
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters()) \
+        if isinstance(module, torch.nn.Module) else None
+    return Inspection(report=report, target=target, memory=plan, compilations=len(reports), weight_bytes=weight_bytes)
 
 
 def _describe(obj: Any) -> str:
@@ -117,6 +119,7 @@ class Inspection:
     target: dict
     memory: MemoryPlan | None = None
     compilations: int = 1  # compilations filed for the object (recompiles); this is the last
+    weight_bytes: int | None = None  # the compiled module's parameters (None for a function)
 
     # ------------------------------------------------------------------ data
     @functools.cached_property
@@ -188,7 +191,22 @@ class Inspection:
             },
             "kernels_per_step": kernels if kernels is not None else self._no_kernel_count(),
             "kv_writes": r.summary.get("kv_writes", 0),
+            "weights": {"bytes_per_rank": self.weight_bytes, "held_by_compiled_step": self.weights_held()},
         }
+
+    def weights_held(self) -> int:
+        """Bytes of tensors the compiled graph holds itself (constants), beyond the model's parameters:
+        0 when the head-sharded epilogue reads its shards as views of the parameters."""
+        graph = self.report.graph
+        if graph is None:
+            return 0
+        held = {}
+        for node in graph.graph.nodes:
+            if node.op == "get_attr":
+                value = functools.reduce(getattr, node.target.split("."), graph)
+                if isinstance(value, torch.Tensor):
+                    held[id(value)] = value.numel() * value.element_size()
+        return sum(held.values())
 
     def dataflow(self) -> dict:
         a = self.analysis
@@ -259,6 +277,10 @@ class Inspection:
             ("kernels per step", str(s["kernels_per_step"])),
             ("KV writes per step", str(s["kv_writes"])),
         ]
+        w = s["weights"]
+        if w["bytes_per_rank"] is not None:
+            rows.append(("weight bytes per rank", f"{w['bytes_per_rank']:,} (the model's parameters; "
+                         f"{w['held_by_compiled_step']:,} more held by the compiled step)"))
         return rows
 
     def pass_rows(self) -> list[str]:
