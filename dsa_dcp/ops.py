@@ -47,6 +47,9 @@ class SparseAttentionSpec:
     impl: Callable[..., tuple[Tensor, Tensor]]
     lse_base: str  # "e" or "2": the base the implementation returns; the op normalizes to e
     empty_lse: str  # how the implementation marks empty rows: "-inf", "+inf" or "nan"
+    # "slots": args[2] is one flat slot cache (localize_kv_writes); "positions": a list of
+    # position caches (ops_positions.py, localized by passes/recognize_attention.py)
+    cache_layout: str = "slots"
 
 
 SPARSE_ATTENTION_OPS: dict[torch._ops.OpOverload, SparseAttentionSpec] = {}

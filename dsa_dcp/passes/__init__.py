@@ -6,6 +6,7 @@ from dsa_dcp.passes.base import CompileContext, DCPPass
 from dsa_dcp.passes.dcp_rewrite import DCPRewrite
 from dsa_dcp.passes.fuse_merge import FuseMergeA2A
 from dsa_dcp.passes.kv_writes import LocalizeKVWrites
+from dsa_dcp.passes.recognize_attention import RecognizeSparseAttention
 from dsa_dcp.passes.share_remaps import ShareRemaps
 
 
@@ -13,7 +14,9 @@ def build_pipeline(ctx: CompileContext) -> list[DCPPass]:
     """The ordered passes for these options (none when ``dcp_size == 1``: the graph is kept)."""
     if ctx.dcp_size == 1:
         return []
-    passes: list[DCPPass] = [LocalizeKVWrites(), DCPRewrite()]
+    # RecognizeSparseAttention: models written elsewhere (position caches, dense masked attention)
+    # are brought to the op vocabulary first; a graph without position caches is left as it is.
+    passes: list[DCPPass] = [RecognizeSparseAttention(), LocalizeKVWrites(), DCPRewrite()]
     if ctx.options.share_remaps:
         passes.append(ShareRemaps())
     if ctx.options.merge == "fused_a2a":

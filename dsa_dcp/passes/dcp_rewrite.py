@@ -38,9 +38,11 @@ HEAD_SHARDED_MERGES = ("a2a", "fused_a2a", "ag_rs")
 
 
 def _heads_and_dim(attn: fx.Node) -> tuple[int, int]:
-    value = attn.args[0].meta.get("example_value")
+    """Heads and head dim of the attention output (the value dim may differ from the query's)."""
+    value = attn.meta.get("example_value")
+    value = value[0] if isinstance(value, (tuple, list)) else attn.args[0].meta.get("example_value")
     if value is None:
-        raise DCPRewriteError(f"no shape recorded for the query of {attn.name}")
+        raise DCPRewriteError(f"no shape recorded for the output of {attn.name}")
     return value.shape[1], value.shape[2]
 
 

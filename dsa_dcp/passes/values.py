@@ -40,6 +40,11 @@ RESHAPE_OPS = {"view", "_unsafe_view", "reshape", "reshape_as", "view_as", "flat
                "unsqueeze"}
 
 
+def _shape_key(shape) -> tuple:
+    """A hashable shape: symbolic sizes (dynamic shapes) by their expression."""
+    return tuple(d if isinstance(d, int) else str(d) for d in shape)
+
+
 def _op_name(node: fx.Node) -> str | None:
     """The op's plain name for aten ops, tensor methods and torch functions; ``None`` otherwise."""
     target = node.target
@@ -136,7 +141,7 @@ class ValueNumbering:
         if name in CONVERT_OPS and _same_meta(node, args[0], shape=True, dtype=False):
             return args[0], ("convert", node.meta["example_value"].dtype)
         if name in RESHAPE_OPS and _same_meta(node, args[0], shape=False):
-            return args[0], ("reshape", tuple(node.meta["example_value"].shape))
+            return args[0], ("reshape", _shape_key(node.meta["example_value"].shape))
         if (node.op == "call_method" and node.target in VIEW_METHODS - {"as_strided"}) or \
                 (node.op == "call_function" and node.target in VIEW_FUNCTIONS):  # as_strided reads memory, not values
             try:
@@ -160,7 +165,7 @@ class ValueNumbering:
         parent = self.values[source.name]
         number, shape = parent.number, parent.shape
         if view is not None and view[0] == "reshape":
-            base, base_shape = shape or (parent.number, tuple(source.meta["example_value"].shape))
+            base, base_shape = shape or (parent.number, _shape_key(source.meta["example_value"].shape))
             number = base if view[1] == base_shape else self._number((base, view))
             shape = (base, base_shape)
         elif view is not None:
