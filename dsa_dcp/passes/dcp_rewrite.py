@@ -24,17 +24,26 @@ import torch
 import torch.fx as fx
 
 from dsa_dcp import merge
-from dsa_dcp.passes.base import CompileContext, DCPPass
+from dsa_dcp.passes.base import CompileContext, DCPPass, log
 from dsa_dcp.passes.errors import DCPRewriteError, where
 from dsa_dcp.debug_checks import check_topk
 from dsa_dcp.kv_cache import kv_layout
 from dsa_dcp.passes.graph import alias_base, getitem_users, is_collective, placeholder_values, sparse_attention_nodes
+from dsa_dcp.passes.epilogue_trace import TracedHeadEpilogue
 from dsa_dcp.passes.head_shard import HeadEpilogue
 
 C10D = torch.ops._c10d_functional
 TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
 LSE_COMBINE = torch.ops.dsa_dcp.lse_combine.default
 HEAD_SHARDED_MERGES = ("a2a", "fused_a2a", "ag_rs")
+
+
+class AgFallback(str):
+    """A layer whose epilogue a head-sharded merge cannot shard: merged with ``ag`` (the reason)."""
+
+    @property
+    def reason(self) -> str:
+        return str(self)
 
 
 def _heads_and_dim(attn: fx.Node) -> tuple[int, int]:
@@ -62,17 +71,23 @@ class DCPRewrite(DCPPass):
         problems = self.check(gm, ctx)  # everything is validated before anything is rewritten
         if problems:
             raise DCPRewriteError("\n".join(problems))
-        collectives = 0
+        collectives, fallbacks = 0, []
         for layer, attn in enumerate(attns):
             epilogue, _ = self._plan(attn, ctx)
             if opts.debug_checks:
                 self._insert_topk_check(gm, ctx, attn, layer)
-            collectives += self._rewrite(gm, ctx, attn, epilogue)
+            mode = opts.merge
+            if isinstance(epilogue, AgFallback):  # this layer only: its epilogue cannot be sharded by heads
+                log.warning("dsa_dcp: %s", epilogue.reason)
+                fallbacks.append(attn.name)
+                epilogue, mode = None, "ag"
+            collectives += self._rewrite(gm, ctx, attn, epilogue, mode)
         return {
             "sparse_attention_nodes": len(attns),
             "remaps_inserted": len(attns),
             "merge": opts.merge,
             "collectives_inserted": collectives,
+            "merge_fallbacks": fallbacks,
         }
 
     def _plan(self, attn: fx.Node, ctx: CompileContext) -> tuple[HeadEpilogue | None, list[str]]:
@@ -90,17 +105,18 @@ class DCPRewrite(DCPPass):
         if len(items) != len(attn.users):
             return None, [f"{attn.name}'s result is used whole; expected (out, lse) = attn(...){where(attn)}"]
         if 1 in items and items[1].users:
-            return None, [
+            return AgFallback(
                 f"merge={merge_mode!r} leaves each rank the LSE of its own heads only, but the model uses the LSE "
-                f"of {attn.name}; use merge='ag'{where(attn)}"
-            ]
+                f"of {attn.name}: that layer is merged with 'ag'{where(attn)}"), []
         epilogue = HeadEpilogue.match(items[0]) if 0 in items else None
+        if epilogue is None and 0 in items:
+            epilogue = TracedHeadEpilogue.match(items[0])
         if epilogue is None:
-            return None, [
+            return AgFallback(
                 f"merge={merge_mode!r} needs {attn.name}'s output to feed a per-head up-projection and the output "
-                f"projection (einsum('thc,hcv->thv', out, w_uv).flatten(1) -> linear(., w_o)), so both can be "
-                f"sharded by heads; this graph does something else with it. Use merge='ag'{where(attn)}"
-            ]
+                f"projection (einsum('thc,hcv->thv', out, w_uv).flatten(1) -> linear(., w_o), or the forms "
+                f"passes/epilogue_trace.py follows), so both can be sharded by heads; this graph does something "
+                f"else with it: that layer is merged with 'ag'{where(attn)}"), []
         return epilogue, []
 
     @staticmethod
@@ -112,7 +128,7 @@ class DCPRewrite(DCPPass):
         with gm.graph.inserting_before(attn):
             gm.graph.call_function(check_topk, (attn.args[3], num_slots, layer, ctx.dcp_size, ctx.group_name))
 
-    def _rewrite(self, gm: fx.GraphModule, ctx: CompileContext, attn: fx.Node, epilogue: HeadEpilogue | None) -> int:
+    def _rewrite(self, gm: fx.GraphModule, ctx: CompileContext, attn: fx.Node, epilogue, mode: str) -> int:
         graph, n, rank, group = gm.graph, ctx.dcp_size, ctx.rank, ctx.group_name
         q_nope, q_pe, kv, topk, scale = attn.args
         with graph.inserting_before(attn):
@@ -135,7 +151,6 @@ class DCPRewrite(DCPPass):
             out_r = call(operator.getitem, attn, 0)
             lse_r = call(operator.getitem, attn, 1)
             _, head_dim = _heads_and_dim(attn)
-            mode = ctx.options.merge
             if mode in ("ag", "a2a", "fused_a2a"):  # fuse_merge turns the a2a chain into one node
                 if mode == "ag":  # every rank gets every head of every rank
                     packed = call(merge.pack_head_groups, out_r, lse_r, 1)
