@@ -71,9 +71,17 @@ def test_rule_heads(fake_group):
                "dcp_size=2; use merge='ag'" in p for p in problems)
 
 
-def test_rule_epilogue(fake_group):
-    (p,) = _problems(step, {"dcp_size": 2, "merge": "a2a"}, _local_cache())
-    assert "needs sparse_mla_default's output to feed a per-head up-projection and the output projection" in p
+def test_rule_epilogue(fake_group, caplog):
+    """An epilogue a head-sharded merge cannot shard: that layer is merged with 'ag', with a warning."""
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="dsa_dcp", options={"dcp_size": 2, "merge": "a2a"}, fullgraph=True)
+    with caplog.at_level("WARNING", logger="dsa_dcp.passes"):
+        compiled(*_inputs(_local_cache()))
+    assert "needs sparse_mla_default's output to feed a per-head up-projection and the output projection" in caplog.text
+    assert "that layer is merged with 'ag'" in caplog.text
+    stats = dsa_dcp.backend_report().stats()["dcp_rewrite"]
+    assert stats["merge_fallbacks"] == ["sparse_mla_default"]
+    assert dsa_dcp.backend_report().summary["collectives"] == 1  # one all-gather, no all-to-all
 
 
 def test_rule_kv_layout(fake_group):
