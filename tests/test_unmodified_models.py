@@ -31,21 +31,11 @@ MAX_LEN = 12  # positions per request: a multiple of 2 and 3
 
 
 def hf_model(family: str, attn: str):
-    """A tiny random transformers model: 2 dense layers, 6 heads (divisible by 2 and 3), K and V of
+    """A tiny random transformers model: 2 dense layers, 12 heads, K and V of
     different widths; GLM's second layer reuses the first one's top-k and its projections have biases."""
-    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                  num_attention_heads=6, num_key_value_heads=6, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                  qk_nope_head_dim=8, v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                  topk_group=1, index_topk=4, index_head_dim=16, index_n_heads=8, max_position_embeddings=64,
-                  num_hidden_layers=2, first_k_dense_replace=2, pad_token_id=0)
-    if family == "deepseek_v32":
-        cfg, cls = transformers.DeepseekV32Config(**common), transformers.DeepseekV32ForCausalLM
-    else:
-        cfg = transformers.GlmMoeDsaConfig(indexer_types=["full", "shared"], attention_bias=True, **common)
-        cls = transformers.GlmMoeDsaForCausalLM
-    cfg._attn_implementation = attn
-    torch.manual_seed(0)
-    return cls(cfg).eval()
+    from dsa_dcp.integrations.transformers import tiny_model
+
+    return tiny_model(family, attn_implementation=attn, layers=2)
 
 
 def hf_generate(model, dcp_size: int):

@@ -34,7 +34,37 @@ try:
 except ImportError as e:  # pragma: no cover - the optional extra
     raise ImportError("dsa_dcp.integrations.transformers needs transformers: pip install 'dsa-dcp[hf]'") from e
 
-__all__ = ["DCPStaticCache", "cache_dims"]
+__all__ = ["DCPStaticCache", "cache_dims", "tiny_model", "TINY_MODEL_TYPES"]
+
+TINY_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def tiny_model(model_type: str, *, attn_implementation: str = "eager", layers: int = 2, seed: int = 0, **overrides):
+    """A tiny random transformers DSA model for CPU tests and ``dsa-dcp inspect hf:MODEL_TYPE``.
+
+    12 heads (divisible by 2, 3, 4 and 6 ranks), K (nope 8 + rope 8) and V (4) of different widths,
+    dense MLPs (the MoE is untouched by DCP), 8 index heads, top-k 4. GLM-5 layers after the first
+    reuse the previous full layer's top-k (``indexer_types``: full, shared, shared, full, ...) and
+    its projections have biases.
+    """
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                  num_attention_heads=12, num_key_value_heads=12, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                  qk_nope_head_dim=8, v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                  topk_group=1, index_topk=4, index_head_dim=16, index_n_heads=8, max_position_embeddings=64,
+                  num_hidden_layers=layers, first_k_dense_replace=layers, pad_token_id=0)
+    if model_type == "deepseek_v32":
+        cfg, cls = transformers.DeepseekV32Config(**{**common, **overrides}), transformers.DeepseekV32ForCausalLM
+    elif model_type == "glm_moe_dsa":
+        pattern = ["full" if i % 3 == 0 else "shared" for i in range(layers)]
+        cfg = transformers.GlmMoeDsaConfig(**{"indexer_types": pattern, "attention_bias": True, **common, **overrides})
+        cls = transformers.GlmMoeDsaForCausalLM
+    else:
+        raise ValueError(f"unknown model type {model_type!r}; tiny models exist for {list(TINY_MODEL_TYPES)}")
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    return cls(cfg).eval()
 
 
 def cache_dims(config) -> dict:

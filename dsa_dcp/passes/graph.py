@@ -84,6 +84,7 @@ FUSED_MERGE = torch.ops.dsa_dcp.fused_a2a_merge.default
 MERGE_TARGETS = (torch.ops.dsa_dcp.lse_combine.default, merge.finish_reduce_scatter, FUSED_MERGE)
 TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
 KV_STORE = torch.ops.dsa_dcp.kv_store.default
+POSITION_STORE = torch.ops.dsa_dcp.position_store.default  # a write into a position cache (ops_positions.py)
 
 
 def node_kind(node: fx.Node) -> str | None:
@@ -94,7 +95,7 @@ def node_kind(node: fx.Node) -> str | None:
         return "sparse_attention"
     if node.target is TOPK_REMAP:
         return "topk_remap"
-    if node.target is KV_STORE:
+    if node.target is KV_STORE or node.target is POSITION_STORE:
         return "kv_write"
     if node.target in MERGE_TARGETS:
         return "merge"
