@@ -170,3 +170,16 @@ def _check_caches_are_split(ref_caches, rank_results, world, left_padded):
                 for b, n in enumerate(PROMPT_LENS):
                     ref[b, :, :width - n] = rebuilt[b, :, :width - n] = 0
             torch.testing.assert_close(rebuilt, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_inspect_counts_one_remap_per_glm_indexer():
+    """``dsa-dcp inspect hf:glm_moe_dsa --dcp 4``: layers full, shared, shared, full -> 2 remaps."""
+    import dsa_dcp
+    from dsa_dcp.inspect import inspect_target
+
+    inspection = inspect_target("hf:glm_moe_dsa", dcp_size=4, merge="a2a")
+    summary = dsa_dcp.backend_report().summary
+    assert summary["sparse_attention_nodes"] == 4 and summary["remaps"] == 2
+    stats = dsa_dcp.backend_report().stats()
+    assert stats["share_remaps"]["remaps_before"] == 4 and stats["dcp_rewrite"]["merge_fallbacks"] == []
+    assert "remaps after sharing          2" in inspection.to_text()
