@@ -6,6 +6,7 @@ backend did to a compiled model: ``dsa_dcp.inspect(compiled)``).
 """
 
 from dsa_dcp import ops as _ops  # noqa: F401  registers the op vocabulary
+from dsa_dcp import ops_positions as _ops_positions  # noqa: F401  ops over position-indexed caches
 from dsa_dcp.backend import dsa_dcp_backend as backend
 from dsa_dcp.backend import last_report as backend_report
 from dsa_dcp.config import DCPOptions, OptionsError

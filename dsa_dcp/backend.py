@@ -26,6 +26,7 @@ from dsa_dcp.passes import build_pipeline
 from dsa_dcp.passes.base import CompileContext
 from dsa_dcp.passes.graph import graph_summary, sparse_attention_nodes
 from dsa_dcp.passes.kv_writes import kv_cache_inputs
+from dsa_dcp.position_cache import PositionShardedCache
 from dsa_dcp.report import CompileReport, forget_last_report, last_report, process_group_note, set_last_report, \
     snapshot
 from dsa_dcp.validate import DCPValidationError, validate
@@ -117,13 +118,17 @@ def dsa_dcp_backend(
     )
     pipeline = build_pipeline(ctx)
     recompiled = _recompile_note(example_inputs, opts)
-    for graph_pass in pipeline.normalize:  # cannot refuse; every check below sees one spelling
-        report.passes.append(graph_pass(gm, ctx))
+    for graph_pass in pipeline.normalize:  # to the op vocabulary, so every check below reads it
+        plan = graph_pass.check(gm, ctx)
+        if plan.problems:
+            raise DCPValidationError(problems + plan.problems)
+        report.passes.append(graph_pass(gm, ctx, plan))
     plans, more, notes = validate(gm, ctx, pipeline)  # every problem at once, before anything is rewritten
     problems += more
     if problems:
         raise DCPValidationError(problems)
-    if opts.dcp_size > 1 and not sparse_attention_nodes(gm.graph) and not kv_cache_inputs(gm, ctx.example_inputs):
+    if opts.dcp_size > 1 and not sparse_attention_nodes(gm.graph) and not kv_cache_inputs(gm, ctx.example_inputs) \
+            and not any(isinstance(x, PositionShardedCache) for x in example_inputs):
         notes.append(f"dcp_size={opts.dcp_size}, but this graph has no sparse attention node and touches no KV "
                      f"cache allocated by dsa_dcp.allocate_kv_cache: it was compiled without DCP (every rank "
                      f"runs it whole)")

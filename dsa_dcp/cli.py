@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                           description="Compile TARGET for rank 0 of an N-rank DCP group in this process (a fake "
                                       "process group stands in for the other ranks) and report what the passes did.")
     insp.add_argument("target", metavar="TARGET",
-                      help="a built-in config (deepseek-v3.2, glm5, glm5.2, glm5.3, each also -tiny) or module:factory "
-                           "returning (model, example_inputs)")
+                      help="a built-in config (deepseek-v3.2, glm5, glm5.2, glm5.3, each also -tiny), hf:deepseek_v32 or "
+                           "hf:glm_moe_dsa[:LAYERS] (a tiny transformers model), or module:factory returning "
+                           "(model, example_inputs)")
     insp.add_argument("--dcp", type=int, default=2, help="DCP group size N (compiled for rank 0)")
     insp.add_argument("--merge", choices=MERGE_MODES, default="a2a")
     insp.add_argument("--interleave", type=int, default=1)

@@ -53,6 +53,9 @@ class SparseAttentionSpec:
     # what the implementation leaves in the LSE of a row with no valid slot: "-inf", "+inf" or
     # "nan". Such rows are found from the top-k, never from this value (normalize_attention_result).
     empty_lse: str
+    # "slots": args[2] is one flat slot cache (localize_kv_writes); "positions": a list of
+    # position caches (ops_positions.py, localized by passes/recognize_attention.py)
+    cache_layout: str = "slots"
 
 
 SPARSE_ATTENTION_OPS: dict[torch._ops.OpOverload, SparseAttentionSpec] = {}

@@ -1,7 +1,8 @@
 """What ``dsa-dcp inspect TARGET`` compiles, and how, in one process.
 
 A TARGET is a built-in config name (``deepseek-v3.2``, ``glm5``, ``glm5.2``, aliases ``glm5.1``,
-``glm5.3``, each also ``-tiny``) or ``module:factory``, a function returning
+``glm5.3``, each also ``-tiny``), ``hf:MODEL_TYPE[:LAYERS]`` (a tiny transformers model,
+``deepseek_v32`` or ``glm_moe_dsa``, on a ``DCPStaticCache``) or ``module:factory``, a function returning
 ``(model, example_inputs)`` (called with ``dcp_size=N`` when it accepts that keyword, so it can
 allocate the rank's KV caches with ``dsa_dcp.allocate_kv_cache(..., dcp_size=N)``).
 
@@ -115,6 +116,37 @@ def factory_model(spec: str, dcp_size: int) -> tuple[Any, tuple, Any, str]:
     return model, inputs, cfg, how
 
 
+HF_PREFIX = "hf:"
+
+
+class _HFStep(torch.nn.Module):
+    """One decode step of a transformers model on a DCP static cache, as a module of one input."""
+
+    def __init__(self, model, cache):
+        super().__init__()
+        self.model, self.cache = model, cache
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True).logits
+
+
+def hf_model(target: str, dcp_size: int, interleave: int = 1, rows: int = 4) -> tuple[Any, tuple, Any, str]:
+    """``hf:MODEL_TYPE[:LAYERS]`` (``deepseek_v32``, ``glm_moe_dsa``): a tiny random transformers model
+    (``integrations.transformers.tiny_model``) on a ``DCPStaticCache``; one step of ``rows`` requests."""
+    from dsa_dcp.integrations.transformers import DCPStaticCache, tiny_model
+
+    model_type, _, layers = target[len(HF_PREFIX):].partition(":")
+    layers = int(layers) if layers else 4
+    model = tiny_model(model_type, layers=layers)
+    cache = DCPStaticCache(model.config, max_cache_len=model.config.index_topk * 4, batch_size=rows,
+                           dcp_size=dcp_size, interleave=interleave)
+    length = cache.get_max_length()
+    how = (f"{type(model).__name__} ({model_type}, transformers): {layers} layers, tiny random weights, eager "
+           f"attention, on a DCPStaticCache of {length} positions ({length // dcp_size} per rank); one step of "
+           f"{rows} requests")
+    return _HFStep(model, cache), (torch.ones(rows, 1, dtype=torch.long),), None, how
+
+
 def is_builtin(target: str) -> bool:
     return target in CONFIGS or target in ALIASES
 
@@ -132,6 +164,8 @@ def inspect_target(target: str, *, dcp_size: int = 2, merge: str = "a2a", interl
 
     if is_builtin(target):
         model, inputs, cfg, how = builtin_model(target, dcp_size, interleave, rows)
+    elif target.startswith(HF_PREFIX):
+        model, inputs, cfg, how = hf_model(target, dcp_size, interleave, rows)
     else:
         model, inputs, cfg, how = factory_model(target, dcp_size)
     opts = {"dcp_size": dcp_size, "merge": merge, "interleave": interleave, "lowering": "fx", **(options or {})}

@@ -1,9 +1,10 @@
 """The pass list, in one place. Each pass is one module of this package.
 
-A pipeline has two phases: ``normalize`` passes change no value and cannot refuse a graph (they
-run first, so every check sees one spelling of the op vocabulary); ``rewrite`` passes are all
-checked before any of them runs (``DCPPass.check`` returns the plan ``run`` carries out), so a
-refused graph is left untouched.
+A pipeline has two phases. ``normalize`` passes bring the graph to the op vocabulary (one
+spelling of every op call; attention and caches as models written elsewhere spell them), each
+checked and then run in turn, so the rewrite passes' checks see only the vocabulary; ``rewrite``
+passes are all checked before any of them runs (``DCPPass.check`` returns the plan ``run`` carries
+out), so a refused graph is left untouched.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from dsa_dcp.passes.base import CompileContext, DCPPass
 from dsa_dcp.passes.canonicalize import Canonicalize
 from dsa_dcp.passes.dcp_rewrite import DCPRewrite
 from dsa_dcp.passes.kv_writes import LocalizeKVWrites
+from dsa_dcp.passes.recognize_attention import RecognizeSparseAttention
 from dsa_dcp.passes.share_remaps import ShareRemaps
+from dsa_dcp.position_cache import PositionShardedCache
 
 
 @dataclasses.dataclass
@@ -36,4 +39,8 @@ def build_pipeline(ctx: CompileContext) -> Pipeline:
     rewrite: list[DCPPass] = [LocalizeKVWrites(), DCPRewrite()]
     if ctx.options.share_remaps:
         rewrite.append(ShareRemaps())
-    return Pipeline([Canonicalize()], rewrite)
+    normalize: list[DCPPass] = [Canonicalize()]
+    if any(isinstance(x, PositionShardedCache) for x in ctx.example_inputs):
+        # models written elsewhere: dense top-k-masked attention over position caches (docs/models.md)
+        normalize.append(RecognizeSparseAttention())
+    return Pipeline(normalize, rewrite)

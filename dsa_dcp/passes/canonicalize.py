@@ -5,7 +5,7 @@ Expects: dynamo's graph as the model wrote it. A model may call an op through it
 with arguments by position or by name.
 Leaves: every call of a ``dsa_dcp`` op (built-in or ``@sparse_attention``-decorated) targets its
 overload, with every argument by position, so the other passes match one form. It changes no
-value and cannot refuse a graph; it runs before validation, at every ``dcp_size``.
+value and cannot refuse a graph; it runs first, before validation.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from dsa_dcp.position_cache import local_positions
 from dsa_dcp.passes.graph import VIEW_FUNCTIONS, VIEW_METHODS, node_kind, placeholder_values, recorded_layer
 
 _INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -122,6 +123,7 @@ def _storage(value: object) -> int | None:
 
 def real_tensor_key(value: object) -> tuple | None:
     """What identifies a real input tensor: its storage and view parameters (``None`` if unknown)."""
+    value = local_positions(value) if isinstance(value, torch.Tensor) else value  # a position cache: its storage
     if not isinstance(value, torch.Tensor) or value.device.type == "meta":
         return None
     ptr = value.untyped_storage().data_ptr()
@@ -145,6 +147,7 @@ def alias_classes(gm: fx.GraphModule, example_inputs: tuple = ()) -> dict[str, i
         if fake is not None:
             links.add_edge(node.name, ("fake", fake))
         real = inputs.get(node)
+        real = local_positions(real) if isinstance(real, torch.Tensor) else real  # a position cache: its storage
         if isinstance(real, torch.Tensor) and real.untyped_storage().data_ptr():
             links.add_edge(node.name, ("real", real.untyped_storage().data_ptr()))
         if fake is None and node.args and isinstance(node.args[0], fx.Node) and (

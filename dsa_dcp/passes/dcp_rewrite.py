@@ -52,7 +52,9 @@ class RewritePlan(Plan):
 
 
 def _heads_and_dim(attn: fx.Node) -> tuple[object, object]:
-    value = attn.args[0].meta.get("example_value")
+    """Heads and head dim of the attention output (the value dim may differ from the query's)."""
+    value = attn.meta.get("example_value")
+    value = value[0] if isinstance(value, (tuple, list)) else attn.args[0].meta.get("example_value")
     return (value.shape[1], value.shape[2]) if value is not None else (None, None)
 
 

@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from dsa_dcp import merge
 from dsa_dcp.ops import C10D, FUSED_A2A_MERGE, KV_STORE, LSE_COMBINE, SPARSE_ATTENTION_OPS, TOPK_REMAP
+from dsa_dcp.ops_positions import POSITION_STORE
 
 log = logging.getLogger("dsa_dcp.passes")
 
@@ -97,7 +98,7 @@ def node_kind(node: fx.Node) -> str | None:
         return "sparse_attention"
     if node.target is TOPK_REMAP:
         return "topk_remap"
-    if node.target is KV_STORE:
+    if node.target is KV_STORE or node.target is POSITION_STORE:
         return "kv_write"
     if node.target in MERGE_TARGETS:
         return "merge"

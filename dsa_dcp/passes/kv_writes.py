@@ -54,6 +54,8 @@ def kv_caches_read_by_attention(gm: fx.GraphModule) -> tuple[dict[fx.Node, fx.No
     """Each KV cache (placeholder) a sparse attention node reads -> that node; problems found."""
     caches, problems = {}, []
     for attn in sparse_attention_nodes(gm.graph):
+        if SPARSE_ATTENTION_OPS[attn.target].cache_layout != "slots":
+            continue  # position caches: localized by recognize_sparse_attention
         base = alias_base(attn.args[2])
         if base.op != "placeholder":
             problems.append(f"the KV cache of {attn.name} is computed in the graph ({base.name}); it must be a "

@@ -40,6 +40,11 @@ RESHAPE_OPS = {"view", "_unsafe_view", "reshape", "reshape_as", "view_as", "flat
                "unsqueeze"}
 
 
+def _shape_key(shape) -> tuple:
+    """A hashable shape: symbolic sizes (dynamic shapes) by their expression."""
+    return tuple(d if isinstance(d, int) else str(d) for d in shape)
+
+
 def _op_name(node: fx.Node) -> str | None:
     """The op's plain name for aten ops, tensor methods and torch functions; ``None`` otherwise."""
     target = node.target

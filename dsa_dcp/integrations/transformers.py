@@ -1,0 +1,119 @@
+"""DCP for Hugging Face transformers models: a static cache that holds 1/N of the positions per rank.
+
+One line on each rank, beside compiling the model with the backend::
+
+    from dsa_dcp.integrations.transformers import DCPStaticCache
+
+    model.compile(backend="dsa_dcp", options={"dcp_size": N}, fullgraph=True)
+    cache = DCPStaticCache(model.config, max_cache_len=L, batch_size=B, dcp_size=N)
+    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n)
+
+``DCPStaticCache`` is transformers' ``StaticCache`` with every layer allocated up front (a compiled
+prefill must find the caches as inputs) and each layer's K/V (``[B, H, T, D]``) a
+``PositionShardedCache``: the global shape for the model's code, ``T / N`` positions in memory
+(``max_cache_len`` is rounded up to a multiple of ``N * interleave``). The indexer's key cache
+(``StaticIndexedLayer.indexer_keys``) stays whole on every rank, as the indexer needs every key.
+The ``dsa_dcp`` passes recognize the models' masked attention over these caches and localize
+their ``index_copy_`` writes (``docs/models.md``).
+
+Use ``model.compile(...)`` (in place) rather than ``torch.compile(model)``: ``generate`` calls
+the model itself, so a compiled wrapper's ``generate`` would run the model uncompiled (and the
+cache refuses that loudly). transformers' ``cache_implementation=`` accepts only its own names, so
+the cache is passed as ``past_key_values``. On CUDA pass ``disable_compile=True`` to ``generate``
+so it does not wrap the already compiled model in its own ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsa_dcp.position_cache import allocate_position_cache, local_positions, round_up_length
+
+try:
+    from transformers import StaticCache
+except ImportError as e:  # pragma: no cover - the optional extra
+    raise ImportError("dsa_dcp.integrations.transformers needs transformers: pip install 'dsa-dcp[hf]'") from e
+
+__all__ = ["DCPStaticCache", "cache_dims", "tiny_model", "TINY_MODEL_TYPES"]
+
+TINY_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def tiny_model(model_type: str, *, attn_implementation: str = "eager", layers: int = 2, seed: int = 0, **overrides):
+    """A tiny random transformers DSA model for CPU tests and ``dsa-dcp inspect hf:MODEL_TYPE``.
+
+    12 heads (divisible by 2, 3, 4 and 6 ranks), K (nope 8 + rope 8) and V (4) of different widths,
+    dense MLPs (the MoE is untouched by DCP), 8 index heads, top-k 4. GLM-5 layers after the first
+    reuse the previous full layer's top-k (``indexer_types``: full, shared, shared, full, ...) and
+    its projections have biases.
+    """
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                  num_attention_heads=12, num_key_value_heads=12, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                  qk_nope_head_dim=8, v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                  topk_group=1, index_topk=4, index_head_dim=16, index_n_heads=8, max_position_embeddings=64,
+                  num_hidden_layers=layers, first_k_dense_replace=layers, pad_token_id=0)
+    if model_type == "deepseek_v32":
+        cfg, cls = transformers.DeepseekV32Config(**{**common, **overrides}), transformers.DeepseekV32ForCausalLM
+    elif model_type == "glm_moe_dsa":
+        pattern = ["full" if i % 3 == 0 else "shared" for i in range(layers)]
+        cfg = transformers.GlmMoeDsaConfig(**{"indexer_types": pattern, "attention_bias": True, **common, **overrides})
+        cls = transformers.GlmMoeDsaForCausalLM
+    else:
+        raise ValueError(f"unknown model type {model_type!r}; tiny models exist for {list(TINY_MODEL_TYPES)}")
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    return cls(cfg).eval()
+
+
+def cache_dims(config) -> dict:
+    """Heads and per-head K/V widths transformers' DSA models cache (K = nope + rope, V = v_head_dim)."""
+    text = config.get_text_config(decoder=True)
+    k_dim = getattr(text, "qk_head_dim", None) or (text.qk_nope_head_dim + text.qk_rope_head_dim)
+    return {"heads": text.num_attention_heads, "k_dim": k_dim, "v_dim": getattr(text, "v_head_dim", k_dim),
+            "index_dim": getattr(text, "index_head_dim", None), "indexer_types": getattr(text, "indexer_types", None)}
+
+
+class DCPStaticCache(StaticCache):
+    """A ``StaticCache`` whose K/V hold this rank's positions only (module docstring).
+
+    ``dcp_size=1`` gives an ordinary static cache, allocated up front (the single-rank reference).
+    """
+
+    def __init__(self, config, max_cache_len: int, *, batch_size: int, dcp_size: int, interleave: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", **kwargs):
+        max_cache_len = round_up_length(max_cache_len, dcp_size, interleave)
+        super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
+        self.dcp_size, self.interleave = dcp_size, interleave
+        dims = cache_dims(config)
+        h, t = dims["heads"], max_cache_len
+        device = torch.device(device)
+        for i, layer in enumerate(self.layers):
+            layer.keys = allocate_position_cache((batch_size, h, t, dims["k_dim"]), 2, dcp_size=dcp_size,
+                                                 interleave=interleave, dtype=dtype, device=device)
+            layer.values = allocate_position_cache((batch_size, h, t, dims["v_dim"]), 2, dcp_size=dcp_size,
+                                                   interleave=interleave, dtype=dtype, device=device)
+            layer.dtype, layer.device, layer.batch_size, layer.num_heads = dtype, device, batch_size, h
+            layer.k_head_dim, layer.v_head_dim = dims["k_dim"], dims["v_dim"]
+            layer.cumulative_length = layer.cumulative_length.to(device)
+            layer.is_initialized = True
+            shared = dims["indexer_types"] is not None and dims["indexer_types"][i] != "full"
+            if hasattr(layer, "indexer_keys") and dims["index_dim"] and not shared:
+                layer.indexer_keys = torch.zeros(batch_size, t, dims["index_dim"], dtype=dtype, device=device)
+                layer.indexer_dtype, layer.indexer_device = dtype, device
+                layer.indexer_cumulative_length = layer.indexer_cumulative_length.to(device)
+                layer.is_indexer_initialized = True
+
+    def kv_positions_per_rank(self) -> list[int]:
+        """Positions each layer's K and V hold in memory on this rank (``max_cache_len / dcp_size``)."""
+        return [local_positions(t).shape[2] for layer in self.layers for t in (layer.keys, layer.values)]
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            for t in (layer.keys, layer.values):
+                local_positions(t).zero_()
+            layer.cumulative_length.zero_()
+            if getattr(layer, "is_indexer_initialized", False):
+                layer.indexer_keys.zero_()
+                layer.indexer_cumulative_length.zero_()

@@ -1,0 +1,307 @@
+"""A DSA model written the way model authors publish inference code next to their weights.
+
+This module is the test subject for DCP on unmodified models, so it imports nothing from
+``dsa_dcp`` and follows the shape of DeepSeek-V3.2-Exp's ``inference/model.py`` (our own code,
+bf16/fp32 arithmetic instead of the FP8 kernels, a dense SwiGLU instead of the MoE):
+
+- per-request caches ``kv_cache[max_batch, max_seq_len, Dc]`` and ``pe_cache[..., Dr]`` (buffers),
+  written by slice assignment ``cache[:bsz, start_pos:end_pos] = x``;
+- positions as Python ints (``start_pos``); ``forward(tokens, start_pos)`` returns the last
+  position's logits;
+- a prefill step (``seqlen > 1``) that writes the caches and attends over the chunk in hand (MHA
+  form, never reading the cache), a decode step (``seqlen == 1``) in the absorbed MLA form that
+  reads the caches;
+- the top-k as ``torch.full(..., -inf).scatter_(-1, topk, 0)`` added to the scores before the
+  softmax;
+- the value up-projection sliced per step out of the fused ``wkv_b`` weight, and a row-parallel
+  output linear ending in ``.type_as(x)``.
+
+``generate`` is the published ``generate.py`` loop: batched prompts of different lengths,
+a prefill of the shortest prompt, then one position per step for every request (prompt tokens
+fed as they are until each prompt is used up), greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+world_size = 1  # tensor parallelism of the published code; this reference runs on one device
+
+
+@dataclasses.dataclass
+class ModelArgs:
+    max_batch_size: int = 4
+    max_seq_len: int = 24
+    vocab_size: int = 64
+    dim: int = 32
+    inter_dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 6
+    q_lora_rank: int = 16
+    kv_lora_rank: int = 16
+    qk_nope_head_dim: int = 8
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 8
+    index_n_heads: int = 8
+    index_head_dim: int = 16
+    index_topk: int = 4
+    rope_theta: float = 10000.0
+    dtype: torch.dtype = torch.float32
+
+
+def tiny_args(**overrides) -> ModelArgs:
+    """A config small enough for CPU tests (6 heads: divisible by 2 and 3 ranks)."""
+    return ModelArgs(**overrides)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+ColumnParallelLinear = Linear  # world_size == 1: the column shard is the whole weight
+
+
+class RowParallelLinear(Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if world_size > 1:
+            torch.distributed.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x).to(dtype)
+
+
+def precompute_freqs(dim: int, seqlen: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(seqlen, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """Rotate pairs of the last dim: ``(x[2i], x[2i+1])`` (interleaved) or ``(x[i], x[i + d/2])``.
+    ``x``: ``[B, S, H, D]``; ``cos, sin``: ``[S, D/2]``."""
+    dtype = x.dtype
+    x = x.float()
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    y = torch.stack([r1, r2], dim=-1).flatten(-2) if interleaved else torch.cat([r1, r2], dim=-1)
+    return y.to(dtype)
+
+
+class Indexer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.index_n_heads
+        self.head_dim = args.index_head_dim
+        self.rope_head_dim = args.qk_rope_head_dim
+        self.index_topk = args.index_topk
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, dtype=args.dtype)
+        self.wk = Linear(args.dim, self.head_dim, dtype=args.dtype)
+        self.k_norm = nn.LayerNorm(self.head_dim, dtype=args.dtype)
+        self.weights_proj = Linear(args.dim, self.n_heads, dtype=args.dtype)
+        self.softmax_scale = self.head_dim ** -0.5
+        self.register_buffer("k_cache", torch.zeros(args.max_batch_size, args.max_seq_len, self.head_dim,
+                                                    dtype=args.dtype), persistent=False)
+
+    def forward(self, x, qr, start_pos: int, cos, sin, mask):
+        bsz, seqlen, _ = x.size()
+        end_pos = start_pos + seqlen
+        q = self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim)
+        q_pe, q_nope = torch.split(q, [self.rope_head_dim, self.head_dim - self.rope_head_dim], dim=-1)
+        q = torch.cat([apply_rotary_emb(q_pe, cos, sin, interleaved=False), q_nope], dim=-1)
+        k = self.k_norm(self.wk(x))
+        k_pe, k_nope = torch.split(k, [self.rope_head_dim, self.head_dim - self.rope_head_dim], dim=-1)
+        k = torch.cat([apply_rotary_emb(k_pe.unsqueeze(2), cos, sin, interleaved=False).squeeze(2), k_nope], dim=-1)
+        self.k_cache[:bsz, start_pos:end_pos] = k
+        weights = self.weights_proj(x).float() * self.n_heads ** -0.5 * self.softmax_scale
+        logits = torch.einsum("bshd,btd->bsht", q.float(), self.k_cache[:bsz, :end_pos].float()).relu()
+        index_score = torch.einsum("bsht,bsh->bst", logits, weights)
+        if mask is not None:
+            index_score += mask
+        return index_score.topk(min(self.index_topk, end_pos), dim=-1)[1]
+
+
+class MLA(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_local_heads = args.n_heads // world_size
+        self.kv_lora_rank = args.kv_lora_rank
+        self.qk_nope_head_dim = args.qk_nope_head_dim
+        self.qk_rope_head_dim = args.qk_rope_head_dim
+        self.qk_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
+        self.v_head_dim = args.v_head_dim
+        self.wq_a = Linear(args.dim, args.q_lora_rank, dtype=args.dtype)
+        self.q_norm = RMSNorm(args.q_lora_rank)
+        self.wq_b = ColumnParallelLinear(args.q_lora_rank, args.n_heads * self.qk_head_dim, dtype=args.dtype)
+        self.wkv_a = Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, dtype=args.dtype)
+        self.kv_norm = RMSNorm(self.kv_lora_rank)
+        self.wkv_b = ColumnParallelLinear(self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim),
+                                          dtype=args.dtype)
+        self.wo = RowParallelLinear(args.n_heads * self.v_head_dim, args.dim, dtype=args.dtype)
+        self.softmax_scale = self.qk_head_dim ** -0.5
+        self.indexer = Indexer(args)
+        self.register_buffer("kv_cache", torch.zeros(args.max_batch_size, args.max_seq_len, self.kv_lora_rank,
+                                                     dtype=args.dtype), persistent=False)
+        self.register_buffer("pe_cache", torch.zeros(args.max_batch_size, args.max_seq_len, self.qk_rope_head_dim,
+                                                     dtype=args.dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor, start_pos: int, cos, sin, mask):
+        bsz, seqlen, _ = x.size()
+        end_pos = start_pos + seqlen
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(bsz, seqlen, self.n_local_heads, self.qk_head_dim)
+        q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_pe = apply_rotary_emb(q_pe, cos, sin)
+        kv = self.wkv_a(x)
+        kv, k_pe = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_norm(kv)
+        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), cos, sin)
+        self.kv_cache[:bsz, start_pos:end_pos] = kv
+        self.pe_cache[:bsz, start_pos:end_pos] = k_pe.squeeze(2)
+        topk_indices = self.indexer(x, qr, start_pos, cos, sin, mask)
+        if mask is not None:  # prefill: MHA over the chunk in hand
+            q = torch.cat([q_nope, q_pe], dim=-1)
+            kv = self.wkv_b(kv)
+            kv = kv.view(bsz, seqlen, self.n_local_heads, self.qk_nope_head_dim + self.v_head_dim)
+            k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+            k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_local_heads, -1)], dim=-1)
+            scores = torch.einsum("bshd,bthd->bsht", q, k).mul_(self.softmax_scale)
+            index_mask = torch.full((bsz, seqlen, seqlen), float("-inf"), device=x.device).scatter_(-1, topk_indices, 0)
+            index_mask += mask
+            scores += index_mask.unsqueeze(2)
+            scores = scores.softmax(dim=-1, dtype=torch.float32)
+            x = torch.einsum("bsht,bthd->bshd", scores.type_as(x), v)
+        else:  # decode: absorbed MLA over the caches
+            wkv_b = self.wkv_b.weight.view(self.n_local_heads, -1, self.kv_lora_rank)
+            q_nope = torch.einsum("bshd,hdc->bshc", q_nope, wkv_b[:, :self.qk_nope_head_dim])
+            scores = (torch.einsum("bshc,btc->bsht", q_nope, self.kv_cache[:bsz, :end_pos]) +
+                      torch.einsum("bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end_pos])) * self.softmax_scale
+            index_mask = torch.full((bsz, 1, end_pos), float("-inf"), device=x.device).scatter_(-1, topk_indices, 0)
+            scores += index_mask.unsqueeze(2)
+            scores = scores.softmax(dim=-1, dtype=torch.float32)
+            x = torch.einsum("bsht,btc->bshc", scores.type_as(x), self.kv_cache[:bsz, :end_pos])
+            x = torch.einsum("bshc,hdc->bshd", x, wkv_b[:, -self.v_head_dim:])
+        return self.wo(x.flatten(2))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, inter_dim: int, dtype=None):
+        super().__init__()
+        self.w1 = ColumnParallelLinear(dim, inter_dim, dtype=dtype)
+        self.w2 = RowParallelLinear(inter_dim, dim, dtype=dtype)
+        self.w3 = ColumnParallelLinear(dim, inter_dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attn = MLA(args)
+        self.ffn = MLP(args.dim, args.inter_dim, dtype=args.dtype)
+        self.attn_norm = RMSNorm(args.dim)
+        self.ffn_norm = RMSNorm(args.dim)
+
+    def forward(self, x, start_pos: int, cos, sin, mask):
+        x = x + self.attn(self.attn_norm(x), start_pos, cos, sin, mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.max_seq_len = args.max_seq_len
+        self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=args.dtype)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim)
+        self.head = ColumnParallelLinear(args.dim, args.vocab_size, dtype=args.dtype)
+        cos, sin = precompute_freqs(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        seqlen = tokens.size(1)
+        cos = self.freqs_cos[start_pos:start_pos + seqlen]
+        sin = self.freqs_sin[start_pos:start_pos + seqlen]
+        mask = torch.full((seqlen, seqlen), float("-inf"), device=tokens.device).triu_(1) if seqlen > 1 else None
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, start_pos, cos, sin, mask)
+        h = self.norm(h)
+        return self.head(h[:, -1]).float()
+
+
+def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Random weights drawn on the CPU from ``seed`` (norm gains near 1, projections N(0, 1/fan_in))."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen) if name.endswith("weight")
+                        else 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name == "embed.weight":
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return model
+
+
+@torch.no_grad()
+def generate(model, prompt_tokens: list[list[int]], max_new_tokens: int, max_seq_len: int | None = None
+             ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy generation as in the published ``generate.py``; ``model`` may be a compiled model.
+
+    Returns each request's new tokens and the logits of every step (``[B, vocab]``, fp32).
+    """
+    prompt_lens = [len(t) for t in prompt_tokens]
+    max_seq_len = max_seq_len or model.max_seq_len
+    total_len = min(max_seq_len, max_new_tokens + max(prompt_lens))
+    tokens = torch.full((len(prompt_tokens), total_len), -1, dtype=torch.long)
+    for i, t in enumerate(prompt_tokens):
+        tokens[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+    prompt_mask = tokens != -1
+    prev_pos, step_logits = 0, []
+    for cur_pos in range(min(prompt_lens), total_len):
+        logits = model(tokens[:, prev_pos:cur_pos], prev_pos)
+        step_logits.append(logits.float().cpu())
+        next_token = logits.argmax(dim=-1)
+        tokens[:, cur_pos] = torch.where(prompt_mask[:, cur_pos], tokens[:, cur_pos], next_token)
+        prev_pos = cur_pos
+    completions = [tokens[i, n:n + max_new_tokens].tolist() for i, n in enumerate(prompt_lens)]
+    return completions, step_logits
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
