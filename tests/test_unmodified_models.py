@@ -85,7 +85,7 @@ def _generate(model_name: str, dcp_size: int, options: dict | None):
     return hf_generate(model, dcp_size)
 
 
-def _rank(rank, world, model_name, merges):
+def _rank(rank, world, model_name, merges, lowering="fx"):
     import dsa_dcp
     from dsa_dcp.position_cache import local_positions
 
@@ -93,7 +93,8 @@ def _rank(rank, world, model_name, merges):
     for merge in merges:
         torch._dynamo.reset()
         try:
-            tokens, logits, caches = _generate(model_name, world, {"dcp_size": world, "merge": merge, "lowering": "fx"})
+            options = {"dcp_size": world, "merge": merge} | ({"lowering": lowering} if lowering else {})
+            tokens, logits, caches = _generate(model_name, world, options)
         except Exception as e:  # noqa: BLE001 - the parent asserts
             results[merge] = {"error": f"{type(e).__name__}: {e}"}
             continue
@@ -105,27 +106,30 @@ def _rank(rank, world, model_name, merges):
     return results
 
 
-CASES = [
-    ("plain", 2, MERGES),
-    ("plain", 3, ("a2a",)),
-    ("deepseek_v32:eager", 2, ("ag", "a2a")),
-    ("deepseek_v32:sdpa", 3, ("ag_rs", "fused_a2a")),
-    ("glm_moe_dsa:eager", 2, ("ag_rs", "fused_a2a")),
-    ("glm_moe_dsa:sdpa", 3, ("ag", "a2a")),
+CASES = [  # the FX lowering (fast to compile on CPU), then the default options (Inductor)
+    ("plain", 2, MERGES, "fx"),
+    ("plain", 3, ("a2a",), "fx"),
+    ("deepseek_v32:eager", 2, ("ag", "a2a"), "fx"),
+    ("deepseek_v32:sdpa", 3, ("ag_rs", "fused_a2a"), "fx"),
+    ("glm_moe_dsa:eager", 2, ("ag_rs", "fused_a2a"), "fx"),
+    ("glm_moe_dsa:sdpa", 3, ("ag", "a2a"), "fx"),
+    ("plain", 2, ("a2a",), None),
+    ("glm_moe_dsa:sdpa", 2, ("fused_a2a",), None),
 ]
 if os.environ.get("DSA_DCP_FULL_MATRIX"):
-    CASES = [(m, n, MERGES) for m in ("plain", "deepseek_v32:eager", "deepseek_v32:sdpa", "glm_moe_dsa:eager",
-                                      "glm_moe_dsa:sdpa") for n in (2, 3)]
+    CASES = [(m, n, MERGES, lowering) for m in ("plain", "deepseek_v32:eager", "deepseek_v32:sdpa",
+                                                "glm_moe_dsa:eager", "glm_moe_dsa:sdpa")
+             for n in (2, 3) for lowering in ("fx", None)]
 
 
 def _relative_error(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("model_name, world, merges", CASES, ids=lambda v: str(v))
-def test_unmodified_model_matches_single_rank(model_name, world, merges):
+@pytest.mark.parametrize("model_name, world, merges, lowering", CASES, ids=lambda v: str(v))
+def test_unmodified_model_matches_single_rank(model_name, world, merges, lowering):
     ref_tokens, ref_logits, ref_caches = _generate(model_name, 1, None)
-    ranks = run_on_ranks(_rank, world, model_name, merges, timeout=600)
+    ranks = run_on_ranks(_rank, world, model_name, merges, lowering, timeout=600)
     attention_layers = len(ref_caches)
     for merge in merges:
         for rank, res in enumerate(ranks):
