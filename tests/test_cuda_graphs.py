@@ -8,7 +8,7 @@ from dsa_dcp.lowering import written_inputs
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
 
 gpu = pytest.mark.gpu
-STEPS = 32
+STEPS = 16
 KV_STORE = torch.ops.dsa_dcp.kv_store.default
 SPARSE_MLA = torch.ops.dsa_dcp.sparse_mla.default
 
@@ -64,7 +64,7 @@ def test_replay_writes_a_cache_passed_as_an_argument():
     assert len(lowered.graphs) == 2 and lowered.uncaptured_calls == 0
 
 
-def _pair(batch_sizes, layers=8):
+def _pair(batch_sizes, layers=4):
     """The same model compiled twice, without and with CUDA graphs: the same kernels (Inductor's code
     for bf16 is not eager's, so greedy tokens are compared against the compiled step, not eager)."""
     cfg = get_config("glm5.2-tiny", n_layers=layers)
@@ -93,7 +93,7 @@ def test_graph_replay_matches_eager(batch_sizes, rows, captured):
     assert (lowered.uncaptured_calls == 0) is captured
     if captured:
         (kernels,) = lowered.kernels_per_step().values()
-        assert kernels > 8  # at least one kernel per layer: the graph holds the whole step
+        assert kernels > 4  # at least one kernel per layer: the graph holds the whole step
 
 
 @gpu
