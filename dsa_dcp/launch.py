@@ -1,8 +1,15 @@
 """Run a function on N ranks: N CPU processes over gloo here, or the ranks ``torchrun`` started.
 
-``run_on_ranks(fn, n, *args)`` is the one place that spawns ranks for tests and the demo: it picks
-a free port, starts ``n`` processes (spawn), initializes a gloo process group in each, calls
-``fn(rank, n, *args)``, and returns the ranks' results in rank order.
+``run_on_ranks(fn, n, *args)`` is the one place that spawns ranks for tests and the demo: it starts
+``n`` processes (spawn), initializes a gloo process group in each, calls ``fn(rank, n, *args)``,
+and returns the ranks' results in rank order. The processes are started with ``spawn``, which
+imports the caller's main module in each: a script that calls ``run_on_ranks`` must do so under
+``if __name__ == "__main__":``.
+
+The group's store (a ``TCPStore``) is served by rank 0 on the loopback interface only
+(127.0.0.1), from a socket rank 0 binds to port 0 itself and hands to the store, so no other
+process can take the port in between; rank 0 publishes the port to the other ranks through
+shared memory the caller created. A rank waits for the port up to ``collective_timeout``.
 
 Nothing hangs. Each rank reports over its own pipe (joining, joined, result or traceback) and the
 caller also watches every process's exit, so it learns at once when a rank raises or dies. The
@@ -52,10 +59,28 @@ class RankError(RuntimeError):
         self.ranks = dict(ranks or {})
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+STORE_HOST = "127.0.0.1"  # the ranks are local: the store is reachable from this host only
+
+
+def _store(rank: int, world_size: int, port_cell, timeout_s: float) -> dist.TCPStore:
+    """The group's store: rank 0 serves it on a loopback socket it bound to port 0 and publishes
+    the port in ``port_cell``; the other ranks wait for the port, then connect."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((STORE_HOST, 0))
+        listener.listen(max(world_size, 64))  # clients wait in the backlog until the store accepts
+        port = listener.getsockname()[1]
+        port_cell.value = port
+        return dist.TCPStore(STORE_HOST, port, world_size, is_master=True, timeout=timeout, wait_for_workers=True,
+                             master_listen_fd=listener.detach())  # the store owns the socket now
+    deadline = time.monotonic() + timeout_s
+    while port_cell.value == 0:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"rank {rank} of {world_size} timed out after {timeout_s:g} s waiting for rank 0 to "
+                               "open the group's store (rank 0 serves it)")
+        time.sleep(0.005)
+    return dist.TCPStore(STORE_HOST, port_cell.value, world_size, is_master=False, timeout=timeout)
 
 
 def _send(conn, msg) -> None:
@@ -65,15 +90,17 @@ def _send(conn, msg) -> None:
         pass
 
 
-def _rank_main(fn, rank, world_size, port, args, conn, collective_timeout, before_join):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(fn, rank, world_size, port_cell, args, conn, collective_timeout, before_join):
     torch.set_num_threads(1)
     try:
         if before_join is not None:
             before_join(rank, world_size)
         _send(conn, ("joining", None))
+        store = _store(rank, world_size, port_cell, collective_timeout)
+        os.environ.update(MASTER_ADDR=STORE_HOST, MASTER_PORT=str(port_cell.value))  # for code that reads them
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout)
+            "gloo", store=store, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
         )
         _send(conn, ("joined", None))
         value = fn(rank, world_size, *args)
@@ -240,14 +267,14 @@ def run_on_ranks(
     if collective_timeout <= 0:
         raise ValueError(f"collective_timeout must be > 0 seconds, got {collective_timeout}")
     ctx = mp.get_context("spawn")
-    port = free_port()
+    port_cell = ctx.Value("i", 0, lock=False)  # rank 0 writes its store's port here, once
     procs, conns = [], []
     try:
         for r in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_rank_main,
-                args=(fn, r, world_size, port, args, child_end, collective_timeout, before_join),
+                args=(fn, r, world_size, port_cell, args, child_end, collective_timeout, before_join),
                 daemon=True,
             )
             p.start()
