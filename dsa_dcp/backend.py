@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._logging import trace_structured
 
-from dsa_dcp.config import DCPOptions, OptionsError
+from dsa_dcp import conventions  # torch.compile's conventions: mode=, grad mode, compiler reset
+from dsa_dcp.config import DCPOptions, OptionsError, resolve_group
 from dsa_dcp.inspect import registry
 from dsa_dcp.lowering import lower
 from dsa_dcp.passes import build_pipeline
@@ -72,6 +73,9 @@ def forget_last_report() -> None:
     _last_report = None
 
 
+conventions.on_compiler_reset(forget_last_report)  # torch.compiler.reset() clears backend_report()
+
+
 def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
     """Resolve this rank and its group; the problems found (the group's size must be ``dcp_size``)."""
     if options.dcp_size == 1:
@@ -81,12 +85,7 @@ def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
             f"dcp_size={options.dcp_size} needs an initialized torch.distributed process group "
             "(torchrun, or dsa_dcp.launch.run_on_ranks on CPU)"
         )
-    group = options.group
-    if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        group = _resolve_process_group(group)
-    group = group or dist.group.WORLD
+    group = resolve_group(options.group)  # a group name must name a group of this process
     problems = []
     size = dist.get_world_size(group)
     if size != options.dcp_size:
@@ -98,11 +97,13 @@ def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
 
 
 def dsa_dcp_backend(
-    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: dict[str, Any] | None = None
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: dict[str, Any] | None = None,
+    mode: str | None = None,
 ) -> Callable:
     global _last_report
-    opts = DCPOptions.parse(options)
+    opts = DCPOptions.parse(conventions.options_with_mode(options, mode))  # torch.compile(mode=...)
     ctx, problems = compile_context(opts)
+    problems = conventions.grad_mode_problems(example_inputs) + problems  # inference only
     ctx = dataclasses.replace(ctx, example_inputs=tuple(example_inputs))
     pipeline = build_pipeline(ctx)
     problems += validate(gm, ctx, pipeline)  # every problem at once, before anything is rewritten
@@ -122,6 +123,8 @@ def dsa_dcp_backend(
     _last_report = report
     registry.record(report, example_inputs)  # so dsa_dcp.inspect(compiled) finds it
     report.lowered = lower(gm, example_inputs, opts)
+    log.info("compiled for rank %d of %d (lowering %s, %d passes): %s", ctx.rank, opts.dcp_size, opts.lowering,
+             len(report.passes), report.summary)  # TORCH_LOGS=dsa_dcp
     return report.lowered
 
 

@@ -39,7 +39,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: D
     if options.lowering == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        fn = compile_fx(gm, list(example_inputs))
+        fn = compile_fx(gm, list(example_inputs), config_patches=options.inductor_config())  # mode=max-autotune
     else:
         fn = gm.forward
     if graphs:
