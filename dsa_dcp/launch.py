@@ -52,11 +52,15 @@ class RankError(RuntimeError):
     ``"failed"`` (raised; its traceback is in the message), ``"died"`` (exited without a result),
     ``"not joined"`` (still running, never called ``init_process_group``), ``"joining"`` (still
     inside ``init_process_group``) or ``"running"`` (joined, still running when stopped).
+    ``exceptions`` maps each rank that raised to ``(type, message)`` of what it raised, the type
+    as ``"module.QualName"`` (so a caller can report one refusal once, not once per rank).
     """
 
-    def __init__(self, message: str, ranks: dict[int, str] | None = None):
+    def __init__(self, message: str, ranks: dict[int, str] | None = None,
+                 exceptions: dict[int, tuple[str, str]] | None = None):
         super().__init__(message)
         self.ranks = dict(ranks or {})
+        self.exceptions = dict(exceptions or {})
 
 
 STORE_HOST = "127.0.0.1"  # the ranks are local: the store is reachable from this host only
@@ -107,13 +111,31 @@ def _rank_main(fn, rank, world_size, port_cell, args, conn, collective_timeout, 
         buf = io.BytesIO()
         torch.save(value, buf)  # plain bytes: no shared-memory handles that die with this process
         _send(conn, ("result", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - every failure goes back to the caller
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+        _send(conn, ("exception", (f"{type(e).__module__}.{type(e).__qualname__}", str(e))))
         _send(conn, ("error", traceback.format_exc()))
     finally:
         conn.close()
         if dist.is_initialized():
             _leave_store_last(rank, world_size, collective_timeout)
             dist.destroy_process_group()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Leave without the interpreter's teardown: after the exit handlers (which stop any worker
+    processes) and a flush, ``os._exit``. Tearing down a process that imported torch takes
+    seconds (freeing every module and C++ static), which the caller would wait for each run."""
+    import atexit
+    import sys
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed: nothing to flush
+            pass
+    os._exit(0)
 
 
 def _leave_store_last(rank: int, world_size: int, timeout_s: float) -> None:
@@ -149,6 +171,7 @@ class _Ranks:
         self.phase = ["starting"] * n  # starting -> joining -> joined
         self.results: dict[int, bytes] = {}
         self.errors: dict[int, str] = {}  # insertion order = arrival order
+        self.exceptions: dict[int, tuple[str, str]] = {}
         self.dead: dict[int, int | None] = {}
         self.open = set(range(n))  # pipes not yet at EOF
 
@@ -171,6 +194,8 @@ class _Ranks:
                 self.phase[r] = kind
             elif kind == "result":
                 self.results[r] = payload
+            elif kind == "exception":
+                self.exceptions[r] = payload
             else:
                 self.errors[r] = payload
 
@@ -222,7 +247,7 @@ class _Ranks:
             head = f"{len(ranks)} of {world_size} rank(s) did not return a result"
         stopped = "; every rank still running was stopped" if self.pending() else ""
         message = "\n".join([head + stopped, *("  " + line for line in lines), *details])
-        return RankError(message, ranks)
+        return RankError(message, ranks, {r: self.exceptions[r] for r in self.errors if r in self.exceptions})
 
 
 def _stop(procs, grace: float) -> None:
