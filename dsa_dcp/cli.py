@@ -25,7 +25,6 @@ def _at_least(low: int):
             raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {low}"
     return parse
 
 
