@@ -164,7 +164,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from dsa_dcp import __version__
 
-    parser = argparse.ArgumentParser(prog="dsa-dcp", description=__doc__,
+    parser = argparse.ArgumentParser(prog="dsa-dcp", description=__doc__.replace("``", "`"),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"dsa-dcp {__version__}")
     common = argparse.ArgumentParser(add_help=False)
