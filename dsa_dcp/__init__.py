@@ -1,8 +1,12 @@
 """dsa_dcp: decode context parallelism for DeepSeek-Sparse-Attention models, as a torch.compile backend.
 
-Public API: ``sparse_attention`` (the model-author decorator), ``DCPOptions`` (the backend's
-options), ``allocate_kv_cache`` (a rank's KV cache for a DCP group), ``backend`` (the callable registered as ``backend="dsa_dcp"``), ``inspect`` (what the
-backend did to a compiled model: ``dsa_dcp.inspect(compiled)``).
+Public API: ``compile`` (``torch.compile`` with this backend, options checked before tracing),
+``sparse_attention`` (the model-author decorator), ``DCPOptions`` (the backend's options),
+``allocate_kv_cache`` (a rank's KV cache for a DCP group), ``backend`` (the callable registered as
+``backend="dsa_dcp"``), ``backend_report`` (what the last compilation did; cleared by
+``torch.compiler.reset()``), ``inspect`` (what the backend did to a compiled model:
+``dsa_dcp.inspect(compiled)``), and the refusals: ``OptionsError``, ``DCPValidationError``,
+``SparseAttentionContractError``, ``DCPRewriteError``. Logs: ``TORCH_LOGS=dsa_dcp`` (``dsa_dcp.logs``).
 """
 
 from dsa_dcp import ops as _ops  # noqa: F401  registers the op vocabulary
@@ -11,10 +15,16 @@ from dsa_dcp.backend import dsa_dcp_backend as backend
 from dsa_dcp.backend import last_report as backend_report
 from dsa_dcp.config import DCPOptions, OptionsError
 from dsa_dcp.decorator import SparseAttentionContractError, sparse_attention
+from dsa_dcp.entry import compile
 from dsa_dcp.kv_cache import allocate_kv_cache
+from dsa_dcp.passes.errors import DCPRewriteError
+from dsa_dcp.validate import DCPValidationError
 from dsa_dcp import inspect  # a callable package: dsa_dcp.inspect(compiled)
+from dsa_dcp import logs as _logs
 
 __version__ = "0.1.0"
+
+_logs.register()  # TORCH_LOGS=dsa_dcp, torch._logging.set_logs(dsa_dcp=...)
 
 
 def _register_backend_name() -> None:
@@ -40,11 +50,14 @@ _register_backend_name()
 
 __all__ = [
     "DCPOptions",
+    "DCPRewriteError",
+    "DCPValidationError",
     "OptionsError",
     "SparseAttentionContractError",
     "allocate_kv_cache",
     "backend",
     "backend_report",
+    "compile",
     "inspect",
     "sparse_attention",
     "__version__",

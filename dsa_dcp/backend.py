@@ -19,8 +19,9 @@ import torch.fx as fx
 from torch._logging import trace_structured
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dsa_dcp import conventions  # torch.compile's conventions: mode=, grad mode, compiler reset
 from dsa_dcp import registry
-from dsa_dcp.config import DCPOptions, OptionsError
+from dsa_dcp.config import DCPOptions, OptionsError, resolve_group
 from dsa_dcp.lowering import lower
 from dsa_dcp.passes import build_pipeline
 from dsa_dcp.passes.base import CompileContext
@@ -40,6 +41,9 @@ class DCPCompileWarning(UserWarning):
     """Something a compilation did differently from what the options asked (shown once per compilation)."""
 
 
+conventions.on_compiler_reset(forget_last_report)  # torch.compiler.reset() clears backend_report()
+
+
 def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
     """Resolve this rank and its group; the problems found (the group's size must be ``dcp_size``)."""
     if options.dcp_size == 1:
@@ -49,12 +53,7 @@ def compile_context(options: DCPOptions) -> tuple[CompileContext, list[str]]:
             f"dcp_size={options.dcp_size} needs an initialized torch.distributed process group "
             "(torchrun, or dsa_dcp.launch.run_on_ranks on CPU)"
         )
-    group = options.group
-    if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        group = _resolve_process_group(group)
-    group = group or dist.group.WORLD
+    group = resolve_group(options.group)  # a group name must name a group of this process
     problems = []
     size = dist.get_world_size(group)
     if size != options.dcp_size:
@@ -76,6 +75,9 @@ def forget_compile_history() -> None:
     """Forget which frames were compiled (``torch.compiler.reset()`` does this too)."""
     _signatures_by_module.clear()
     _signatures_by_code.clear()
+
+
+conventions.on_compiler_reset(forget_compile_history)
 
 
 def _input_signature(example_inputs: Sequence[Any]) -> tuple:
@@ -104,10 +106,12 @@ def _recompile_note(example_inputs: Sequence[Any], opts: DCPOptions) -> str | No
 
 
 def dsa_dcp_backend(
-    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: dict[str, Any] | None = None
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: dict[str, Any] | None = None,
+    mode: str | None = None,
 ) -> Callable:
-    opts = DCPOptions.parse(options)
+    opts = DCPOptions.parse(conventions.options_with_mode(options, mode))  # torch.compile(mode=...)
     ctx, problems = compile_context(opts)
+    problems = conventions.grad_mode_problems(example_inputs) + problems  # inference only
     ctx = dataclasses.replace(ctx, example_inputs=tuple(example_inputs))
     report = CompileReport(options=opts, rank=ctx.rank, graph_before=gm.code, passes=[],
                            process_group=process_group_note(opts.dcp_size))
@@ -147,4 +151,6 @@ def dsa_dcp_backend(
     registry.record(report, example_inputs)  # so dsa_dcp.inspect(compiled) finds it
     lowered = lower(gm, example_inputs, opts)
     report.hold_lowered(lowered)
+    log.info("compiled for rank %d of %d (lowering %s, %d passes): %s", ctx.rank, opts.dcp_size, opts.lowering,
+             len(report.passes), report.summary)  # TORCH_LOGS=dsa_dcp
     return lowered

@@ -1,4 +1,10 @@
-"""``dsa-dcp``: demo, inspect and bench."""
+"""``dsa-dcp``: demo, inspect and bench (also ``python -m dsa_dcp``).
+
+Arguments are checked before any work starts (no rank is spawned for a bad one), and a refusal of
+the compiler is printed once, in one message, however many ranks or layers hit it; long work
+prints a line per stage with the time since the start on stderr (``--quiet`` turns them off).
+Exit status: 0 done, 1 the demo's tokens differ, 2 bad arguments or a refusal.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +15,81 @@ import sys
 from dsa_dcp.config import MERGE_MODES
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def _config_names() -> list[str]:
+    from dsa_dcp.models import ALIASES, CONFIGS
+
+    return sorted(CONFIGS) + sorted(ALIASES)
+
+
+def _refusal(err: BaseException, command: str) -> int:
+    """Print a refusal of the compiler in one message; exit status 2."""
+    print(f"dsa-dcp {command}: {type(err).__name__}: {err}", file=sys.stderr)
+    return 2
+
+
+def _rank_refusals(err, command: str, world: int) -> int | None:
+    """A ``RankError`` whose ranks refused: each distinct refusal once, with the ranks that hit it
+    when not all did; ``None`` when no rank refused (a failure to show in full)."""
+    from dsa_dcp.entry import dcp_errors
+
+    ours = {f"{t.__module__}.{t.__qualname__}" for t in dcp_errors()}
+    refused = {r: exc for r, exc in err.exceptions.items() if exc[0] in ours}
+    if not refused:
+        return None
+    distinct: dict[tuple[str, str], list[int]] = {}
+    for r, exc in sorted(refused.items()):
+        distinct.setdefault(exc, []).append(r)
+    lines = []
+    for (qualname, message), ranks in distinct.items():
+        who = "" if len(ranks) == world else f" (rank {', '.join(map(str, ranks))} of {world})"
+        lines.append(f"dsa-dcp {command}: {qualname.rsplit('.', 1)[-1]}{who}: {message}")
+    for r, state in sorted(err.ranks.items()):
+        if r not in refused:
+            lines.append(f"  rank {r} of {world}: {state}, stopped with the rank(s) that refused")
+    print("\n".join(lines), file=sys.stderr)
+    return 2
+
+
 def _demo(args: argparse.Namespace) -> int:
     from dsa_dcp.demo import DemoSpec, format_demo, run_demo
+    from dsa_dcp.launch import RankError
+    from dsa_dcp.progress import Progress
 
     spec = DemoSpec(model=args.model, layers=args.layers or None, dcp=args.dcp, merge=args.merge,
                     interleave=args.interleave, steps=args.steps, rows=args.rows, seed=args.seed)
-    results = run_demo(spec)
+    problems = spec.problems()
+    if problems:
+        args.parser.error("; ".join(problems))
+    try:
+        results = run_demo(spec, Progress(enabled=not args.quiet))
+    except RankError as e:
+        status = _rank_refusals(e, "demo", spec.dcp)
+        if status is None:
+            raise
+        return status
     print(format_demo(results))
     ok = all(r.tokens_match for r in results)
     return 0 if ok else 1
@@ -23,16 +98,44 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench_step(args: argparse.Namespace) -> int:
     from dsa_dcp.bench.step import main as bench_step
 
-    return bench_step(args)
+    return _timed(args, "bench step", bench_step)
+
+
+def _timed(args: argparse.Namespace, name: str, run) -> int:
+    from dsa_dcp.progress import Progress
+
+    progress = Progress(f"{name}: ", enabled=not args.quiet)
+    progress("started")
+    status = run(args)
+    progress("done")
+    return status
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from dsa_dcp.entry import find_dcp_error
     from dsa_dcp.inspect import inspect_target
+    from dsa_dcp.progress import Progress
 
-    inspection = inspect_target(args.target, dcp_size=args.dcp, merge=args.merge, interleave=args.interleave,
-                                kv_dtype=args.kv_dtype, slots=args.slots, gpu_mem_gib=args.gpu_mem, rows=args.rows)
+    names = _config_names()
+    if ":" not in args.target and args.target not in names:
+        args.parser.error(f"TARGET {args.target!r} is neither a built-in config nor module:factory; "
+                          f"built-in configs: {', '.join(names)}")
+    progress = Progress("inspect: ", enabled=not args.quiet)
+    progress(f"compiling {args.target} for rank 0 of {args.dcp} (merge {args.merge}) in this process")
+    try:
+        inspection = inspect_target(args.target, dcp_size=args.dcp, merge=args.merge, interleave=args.interleave,
+                                    kv_dtype=args.kv_dtype, slots=args.slots, gpu_mem_gib=args.gpu_mem,
+                                    rows=args.rows)
+    except Exception as e:
+        ours = find_dcp_error(e)
+        if ours is None:
+            raise
+        return _refusal(ours, "inspect")
+    progress("compiled and analysed")
     out = args.out or ("dsa-dcp-inspect" if args.format == "html" else None)
     paths = inspection.write(out) if out else {}
+    if paths:
+        progress(f"wrote {out}")
     if args.format == "json":
         print(inspection.to_json())
     elif args.format == "html":
@@ -49,13 +152,13 @@ def _inspect(args: argparse.Namespace) -> int:
 def _bench_merge(args: argparse.Namespace) -> int:
     from dsa_dcp.bench.merge import main as bench_merge
 
-    return bench_merge(args)
+    return _timed(args, "bench merge", bench_merge)
 
 
 def _bench_kernels(args: argparse.Namespace) -> int:
     from dsa_dcp.bench.kernels import main as bench_kernels
 
-    return bench_kernels(args)
+    return _timed(args, "bench kernels", bench_kernels)
 
 
 def _bench_indexer(args: argparse.Namespace) -> int:
@@ -65,34 +168,43 @@ def _bench_indexer(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dsa-dcp", description=__doc__)
+    from dsa_dcp import __version__
+
+    parser = argparse.ArgumentParser(prog="dsa-dcp", description=__doc__.replace("``", "`"),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"dsa-dcp {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the DCP program on N CPU ranks beside the single-rank model")
-    demo.add_argument("--dcp", type=int, default=2, help="DCP group size (CPU processes over gloo)")
+    demo = sub.add_parser("demo", parents=[common],
+                          help="run the DCP program on N CPU ranks beside the single-rank model")
+    demo.add_argument("--dcp", type=_at_least(1), default=2, help="DCP group size (CPU processes over gloo)")
     demo.add_argument("--merge", choices=MERGE_MODES, default="a2a")
-    demo.add_argument("--interleave", type=int, default=1)
-    demo.add_argument("--model", default="glm5.2-tiny", help="a built-in config, e.g. glm5.2-tiny, deepseek-v3.2-tiny")
-    demo.add_argument("--layers", type=int, default=8, help="layers to build (0 = the config's own count)")
-    demo.add_argument("--steps", type=int, default=8, help="tokens to generate per request")
-    demo.add_argument("--rows", type=int, default=16, help="rows per engine step (padded)")
+    demo.add_argument("--interleave", type=_at_least(1), default=1)
+    demo.add_argument("--model", default="glm5.2-tiny", metavar="NAME",
+                      help=f"a built-in config: {', '.join(_config_names())}")
+    demo.add_argument("--layers", type=_at_least(0), default=8, help="layers to build (0 = the config's own count)")
+    demo.add_argument("--steps", type=_at_least(1), default=8, help="tokens to generate per request")
+    demo.add_argument("--rows", type=_at_least(1), default=16, help="rows per engine step (padded)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(func=_demo)
+    demo.set_defaults(func=_demo, parser=demo)
 
     bench = sub.add_parser("bench", help="measure speed on this machine's GPU")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    step = bench_sub.add_parser("step", help="decode-step latency: eager, stock torch.compile, dsa_dcp (dcp_size 1)")
+    step = bench_sub.add_parser("step", parents=[common],
+                                help="decode-step latency: eager, stock torch.compile, dsa_dcp (dcp_size 1)")
     step.add_argument("--layers", type=int, default=4)
     step.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     step.add_argument("--context", type=int, default=4096, help="cached tokens per request")
     step.add_argument("--json", help="also write the rows to this file")
     step.set_defaults(func=_bench_step)
-    merge = bench_sub.add_parser("merge", help="fused a2a merge vs pack + exchange + combine (N ranks emulated on one GPU)")
+    merge = bench_sub.add_parser("merge", parents=[common], help="fused a2a merge vs pack + exchange + combine (N ranks emulated on one GPU)")
     merge.add_argument("--dcp", type=int, nargs="+", default=[2, 4, 8])
     merge.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     merge.add_argument("--heads", type=int, default=64, help="attention heads H (each rank combines H/N)")
     merge.add_argument("--json", help="also write the rows to this file")
     merge.set_defaults(func=_bench_merge)
-    kernels = bench_sub.add_parser("kernels", help="remap, combine and sparse MLA against torch eager and FlashInfer")
+    kernels = bench_sub.add_parser("kernels", parents=[common], help="remap, combine and sparse MLA against torch eager and FlashInfer")
     kernels.add_argument("--json", help="also write the rows to this file")
     kernels.add_argument("--only", nargs="+", choices=["remap", "combine", "mla"], help="time only these kernels")
     kernels.add_argument("--kv", nargs="+", choices=["bf16", "fp8"], help="sparse_mla KV dtypes (default: both)")
@@ -109,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="with --tune: the Triton tile set timed beside the shipped choice (default all; "
                               "hopper: none, only the Hopper kernel's split counts)")
     kernels.set_defaults(func=_bench_kernels)
-    indexer = bench_sub.add_parser("indexer", help="indexer scores + top-k, top-k, top-k + remap against torch and Inductor")
+    indexer = bench_sub.add_parser("indexer", parents=[common], help="indexer scores + top-k, top-k, top-k + remap against torch and Inductor")
     indexer.add_argument("--json", help="also write the rows to this file")
     indexer.add_argument("--only", nargs="+", choices=["indexer", "topk", "remap", "tiles"],
                          help="time only these parts (default: indexer, topk, remap; tiles sweeps index_scores tiles)")
@@ -120,25 +232,26 @@ def main(argv: list[str] | None = None) -> int:
     indexer.add_argument("--inductor", choices=["dynamic", "static", "off"], default="dynamic",
                          help="compile the torch composition once for all shapes, once a shape, or not at all")
     indexer.set_defaults(func=_bench_indexer)
-    insp = sub.add_parser("inspect", help="show what the compiler does to a model: passes, collectives, memory, dataflow",
+    insp = sub.add_parser("inspect", parents=[common], help="show what the compiler does to a model: passes, collectives, memory, dataflow",
                           description="Compile TARGET for rank 0 of an N-rank DCP group in this process (a fake "
                                       "process group stands in for the other ranks) and report what the passes did.")
     insp.add_argument("target", metavar="TARGET",
                       help="a built-in config (deepseek-v3.2, glm5, glm5.2, glm5.3, each also -tiny), hf:deepseek_v32 or "
                            "hf:glm_moe_dsa[:LAYERS] (a tiny transformers model), or module:factory returning "
                            "(model, example_inputs)")
-    insp.add_argument("--dcp", type=int, default=2, help="DCP group size N (compiled for rank 0)")
+    insp.add_argument("--dcp", type=_at_least(1), default=2, help="DCP group size N (compiled for rank 0)")
     insp.add_argument("--merge", choices=MERGE_MODES, default="a2a")
-    insp.add_argument("--interleave", type=int, default=1)
+    insp.add_argument("--interleave", type=_at_least(1), default=1)
     insp.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV dtype of the memory plan")
     insp.add_argument("--format", choices=("text", "json", "html"), default="text")
     insp.add_argument("--out", help="write report.{txt,json,html}, dataflow.{svg,png} and graphs/*.py here "
                                     "(html default: ./dsa-dcp-inspect)")
     mem = insp.add_mutually_exclusive_group()
-    mem.add_argument("--slots", type=int, help="memory plan: bytes per rank for this many KV slots")
-    mem.add_argument("--gpu-mem", type=float, metavar="GiB", help="memory plan: tokens that fit in this much cache memory per rank")
-    insp.add_argument("--rows", type=int, default=4, help="decode rows of the example step (built-in configs)")
-    insp.set_defaults(func=_inspect)
+    mem.add_argument("--slots", type=_at_least(1), help="memory plan: bytes per rank for this many KV slots")
+    mem.add_argument("--gpu-mem", type=_positive_float, metavar="GiB",
+                     help="memory plan: tokens that fit in this much cache memory per rank")
+    insp.add_argument("--rows", type=_at_least(1), default=4, help="decode rows of the example step (built-in configs)")
+    insp.set_defaults(func=_inspect, parser=insp)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -8,6 +8,11 @@ from typing import Any
 
 MERGE_MODES = ("ag", "a2a", "ag_rs", "fused_a2a")
 LOWERINGS = ("fx", "inductor")
+# torch.compile's ``mode=`` values this backend maps; anything else ("lite", a typo) is refused.
+# reduce-overhead: CUDA graphs on a CUDA step (this backend's default there anyway);
+# max-autotune(-no-cudagraphs): Inductor lowering with its autotuning (without CUDA graphs).
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 
 
 class OptionsError(ValueError):
@@ -19,8 +24,9 @@ class DCPOptions:
     """Options of the ``dsa_dcp`` backend.
 
     dcp_size:     ranks in the DCP group (1 = no context parallelism: the graph is left as written).
-    group:        the ``torch.distributed`` process group of the DCP ranks (or its group name);
-                  ``None`` means the default (world) group. Its size must equal ``dcp_size``.
+    group:        the ``torch.distributed`` process group of the DCP ranks, or its group name (a
+                  string naming a group of this process, checked at compile time); ``None`` means
+                  the default (world) group. Its size must equal ``dcp_size``.
     rank:         this rank in the group; ``None`` asks the group. A value is checked against the
                   group's (inspection compiles for rank 0 of a fake group).
     merge:        how partial attention results are merged: one of ``MERGE_MODES``.
@@ -37,8 +43,19 @@ class DCPOptions:
                   each); a step with more rows than the largest runs uncaptured.
     page_size:    the KV pool's page size, when known: ``interleave`` must divide it.
     allow_multi_host: compile a DCP group whose ranks are on several hosts (refused by default).
-    debug_checks: check at run time that top-k slots are in range and that every rank computed the
-                  same top-k (one checksum all-gather per attention layer; off by default).
+    debug_checks: check at run time, before every collective the rewrite adds, that the ranks are at
+                  the same point of the same step, that top-k slots are in range and that every rank
+                  computed the same top-k (host syncs; off by default). They run Python between
+                  kernels, so unless given, ``lowering`` becomes ``"fx"`` and ``cuda_graphs`` False.
+    mode:         ``torch.compile``'s ``mode=`` (one of ``MODES``), also given as an option:
+                  ``"reduce-overhead"`` keeps CUDA graphs on for a CUDA step (refuses
+                  ``cuda_graphs=False``); ``"max-autotune"`` and ``"max-autotune-no-cudagraphs"``
+                  lower with Inductor (``lowering="inductor"`` unless ``lowering`` is given, and
+                  ``"fx"`` is refused) and turn on its autotuning (``inductor_config()``);
+                  ``-no-cudagraphs`` also means ``cuda_graphs=False`` unless given.
+
+    Every value is checked by type: flags are ``True``/``False`` (not ``1``/``0``), sizes are
+    ``int`` (not ``bool`` or ``float``).
     """
 
     dcp_size: int = 1
@@ -53,19 +70,38 @@ class DCPOptions:
     page_size: int | None = None
     allow_multi_host: bool = False
     debug_checks: bool = False
+    mode: str = "default"
 
     @classmethod
     def parse(cls, options: dict[str, Any] | DCPOptions | None) -> DCPOptions:
         """Build options from a user's dict; every problem is reported in one ``OptionsError``."""
         if isinstance(options, DCPOptions):
+            problems = options.problems()
+            if problems:
+                raise OptionsError("invalid dsa_dcp options:\n  " + "\n  ".join(problems))
             return options
-        options = dict(options or {})
+        if options is None:
+            options = {}
+        if not isinstance(options, dict):
+            raise OptionsError(
+                f"options must be a dict of dsa_dcp options (or a DCPOptions), got {type(options).__name__} "
+                f"{options!r}; e.g. options={{'dcp_size': 2, 'merge': 'a2a'}}"
+            )
+        options = dict(options)
         valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(valid))
+        unknown = sorted((k for k in options if k not in valid), key=repr)
         if unknown:
             raise OptionsError(f"unknown dsa_dcp option(s) {unknown}; valid options are {valid}")
         if isinstance(options.get("batch_sizes"), list):
             options["batch_sizes"] = tuple(options["batch_sizes"])
+        mode = options.get("mode")
+        if mode in _AUTOTUNE_MODES:  # the mode picks what the user left unsaid
+            options.setdefault("lowering", "inductor")
+            if mode == "max-autotune-no-cudagraphs":
+                options.setdefault("cuda_graphs", False)
+        if options.get("debug_checks") is True:  # the checks run Python between kernels
+            options.setdefault("lowering", "fx")
+            options.setdefault("cuda_graphs", False)
         opts = cls(**options)
         problems = opts.problems()
         if problems:
@@ -73,25 +109,33 @@ class DCPOptions:
         return opts
 
     def problems(self) -> list[str]:
+        """One message per bad value: the option, the value given and what is allowed."""
         p = []
 
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
         def positive_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            return is_int(value) and value >= 1
 
         if not positive_int(self.dcp_size):
             p.append(f"dcp_size must be an integer >= 1, got {self.dcp_size!r}")
+        if not _is_group(self.group):
+            p.append(f"group must be None (the world group), a torch.distributed ProcessGroup or a group "
+                     f"name (str), got {type(self.group).__name__} {self.group!r}")
+        if self.rank is not None and not (is_int(self.rank) and is_int(self.dcp_size) and 0 <= self.rank < self.dcp_size):
+            allowed = f" (with dcp_size={self.dcp_size}: an int 0 to {self.dcp_size - 1})" if positive_int(self.dcp_size) else ""
+            p.append(f"rank must be None or in [0, dcp_size), got {self.rank!r}{allowed}")
+        if not _member(self.merge, MERGE_MODES):
+            p.append(f"merge must be one of {list(MERGE_MODES)}, got {self.merge!r}")
         if not positive_int(self.interleave):
             p.append(f"interleave must be an integer >= 1, got {self.interleave!r}")
-        if self.merge not in MERGE_MODES:
-            p.append(f"merge must be one of {list(MERGE_MODES)}, got {self.merge!r}")
-        if self.lowering not in LOWERINGS:
+        if not _member(self.lowering, LOWERINGS):
             p.append(f"lowering must be one of {list(LOWERINGS)}, got {self.lowering!r}")
-        for flag in ("allow_multi_host", "debug_checks"):
+        for flag in ("share_remaps", "allow_multi_host", "debug_checks"):
             if not isinstance(getattr(self, flag), bool):
                 p.append(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.page_size is not None and not positive_int(self.page_size):
-            p.append(f"page_size must be None or an integer >= 1, got {self.page_size!r}")
-        if self.cuda_graphs not in (None, True, False):
+        if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
             p.append(f"cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
         if not (
             isinstance(self.batch_sizes, tuple)
@@ -100,16 +144,68 @@ class DCPOptions:
             and list(self.batch_sizes) == sorted(set(self.batch_sizes))
         ):
             p.append(f"batch_sizes must be a non-empty increasing list of integers >= 1, got {self.batch_sizes!r}")
-        if not isinstance(self.share_remaps, bool):
-            p.append(f"share_remaps must be True or False, got {self.share_remaps!r}")
-        if self.rank is not None and not (
-            isinstance(self.rank, int) and isinstance(self.dcp_size, int) and 0 <= self.rank < self.dcp_size
-        ):
-            p.append(f"rank must be None or in [0, dcp_size), got {self.rank!r}")
+        if self.page_size is not None and not positive_int(self.page_size):
+            p.append(f"page_size must be None or an integer >= 1, got {self.page_size!r}")
+        if not _member(self.mode, MODES):
+            p.append(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        elif self.mode in _AUTOTUNE_MODES and self.lowering == "fx":
+            p.append(f"mode={self.mode!r} autotunes Inductor's kernels, so it needs lowering='inductor', "
+                     f"got lowering='fx'")
+        if self.mode == "reduce-overhead" and self.cuda_graphs is False:
+            p.append("mode='reduce-overhead' means CUDA graphs, but cuda_graphs=False; drop one of them")
+        if self.mode == "max-autotune-no-cudagraphs" and self.cuda_graphs is True:
+            p.append("mode='max-autotune-no-cudagraphs' means no CUDA graphs, but cuda_graphs=True; drop one of them")
         return p
+
+    def inductor_config(self) -> dict[str, Any]:
+        """Inductor config patches for the ``inductor`` lowering (what ``mode`` asks of it)."""
+        if self.mode in _AUTOTUNE_MODES:
+            return {"max_autotune": True, "coordinate_descent_tuning": True}
+        return {}
 
     def cache_key(self) -> str:
         """A digest of everything that changes the compiled graph (the group by its size/name)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "group"}
         fields["group"] = self.group if isinstance(self.group, (str, type(None))) else getattr(self.group, "group_name", repr(self.group))
         return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
+
+
+def _member(value: object, allowed: tuple[str, ...]) -> bool:
+    return isinstance(value, str) and value in allowed
+
+
+def _is_group(group: object) -> bool:
+    if group is None or isinstance(group, str):
+        return True
+    try:
+        from torch.distributed import ProcessGroup
+    except ImportError:  # a torch built without distributed: only None and names parse
+        return False
+    return isinstance(group, ProcessGroup)
+
+
+def resolve_group(group: Any) -> Any:
+    """The ``ProcessGroup`` an option names (``None``: the world group); compile time, with
+    ``torch.distributed`` initialized. An unknown group name is an ``OptionsError`` listing the
+    names of this process's groups."""
+    import torch.distributed as dist
+
+    if group is None:
+        return dist.group.WORLD
+    if not isinstance(group, str):
+        return group
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(group)
+    except (RuntimeError, ValueError, KeyError) as e:
+        try:
+            from torch.distributed.distributed_c10d import _world
+
+            names = sorted(_world.pg_names.values())
+        except Exception:  # noqa: BLE001 - the list is a courtesy; the refusal stands without it
+            names = []
+        raise OptionsError(
+            f"group={group!r} names no process group of this process; the groups here are {names} "
+            "(the world group is named by its group_name, or pass group=None)"
+        ) from e

@@ -5,6 +5,7 @@ KV cache) and once with a KV cache of ``ceil(S/N)`` rows compiled with ``backend
 Both generate greedily over the same batch of requests (different lengths, extend and decode rows
 mixed); rank 0 reports whether every token matches, the largest logit difference, KV bytes per
 token per rank, and what the compiled step does (remaps, before and after sharing, merges, collectives).
+While it runs, rank 0 prints a line per stage with the time since the start (stderr).
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import time
 
 import torch
 
+from dsa_dcp.config import MERGE_MODES
 from dsa_dcp.launch import run_on_ranks
+from dsa_dcp.progress import Progress
+
+HEAD_SHARDED_MERGES = ("a2a", "ag_rs", "fused_a2a")  # their epilogue splits the heads over the group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +32,32 @@ class DemoSpec:
     steps: int = 8
     rows: int = 16
     seed: int = 0
+
+    def problems(self) -> list[str]:
+        """What is wrong with this spec, each with the valid values (checked before any rank starts)."""
+        from dsa_dcp.models import ALIASES, CONFIGS
+
+        names = sorted(CONFIGS) + sorted(ALIASES)
+        p = []
+        for name, low in (("dcp", 1), ("interleave", 1), ("steps", 1), ("rows", 1), ("layers", 0)):
+            value = getattr(self, name)
+            if name == "layers" and value is None:
+                continue
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+                p.append(f"--{name} must be an integer >= {low}, got {value!r}")
+        if self.merge not in MERGE_MODES:
+            p.append(f"--merge must be one of {', '.join(MERGE_MODES)}; got {self.merge!r}")
+        if self.model not in names:
+            p.append(f"--model {self.model!r} is not a built-in config; valid: {', '.join(names)}")
+        elif not p and self.merge in HEAD_SHARDED_MERGES:
+            from dsa_dcp.models import get_config
+
+            heads = get_config(self.model).n_heads
+            if heads % self.dcp:
+                sizes = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0)
+                p.append(f"--dcp {self.dcp} with --merge {self.merge}: {self.model} has {heads} attention heads, "
+                         f"which this merge splits evenly over the group; valid --dcp: {sizes} (or --merge ag)")
+        return p
 
 
 @dataclasses.dataclass
@@ -45,11 +76,28 @@ class DemoResult:
     remaps_before_sharing: int | None = None  # topk_remap nodes before share_remaps (None: pass not run)
 
 
-def _demo_rank(rank: int, world: int, spec: DemoSpec) -> DemoResult:
+class _FirstCallReported:
+    """A step function that reports once its first call (the compilation) has returned."""
+
+    def __init__(self, step, progress: Progress):
+        self.step, self.progress, self.called = step, progress, False
+
+    def __call__(self, *args):
+        out = self.step(*args)
+        if not self.called:
+            self.called = True
+            self.progress("compiled (the first DCP step ran)")
+        return out
+
+
+def _demo_rank(rank: int, world: int, spec: DemoSpec, progress: Progress | None = None) -> DemoResult:
+    import dsa_dcp
+    from dsa_dcp.backend import last_report
     from dsa_dcp.kv_cache import bytes_per_token
     from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
-    from dsa_dcp.backend import last_report
 
+    progress = (progress or Progress(enabled=False)).child(f"rank {rank}: ", enabled=rank == 0)
+    progress(f"joined the process group of {world}")
     overrides = {"n_layers": spec.layers} if spec.layers else {}
     cfg = get_config(spec.model, **overrides)
     batch = standard_test_batch(cfg, max_new_tokens=spec.steps, seed=spec.seed)
@@ -57,12 +105,13 @@ def _demo_rank(rank: int, world: int, spec: DemoSpec) -> DemoResult:
     with torch.no_grad():
         single = DSAModel(cfg, batch.num_slots, seed=spec.seed)
         ref = generate(single, batch, spec.steps, pad_to=spec.rows)
+        progress(f"single-rank reference generated ({len(ref.step_logits)} engine steps, eager)")
         model = DSAModel(cfg, batch.num_slots, dcp_size=world, interleave=spec.interleave, seed=spec.seed)
-        options = {"dcp_size": world, "merge": spec.merge, "interleave": spec.interleave}
-        step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True)
+        step = dsa_dcp.compile(model, dcp_size=world, merge=spec.merge, interleave=spec.interleave)
         t0 = time.perf_counter()
-        out = generate(step, batch, spec.steps, pad_to=spec.rows)
+        out = generate(_FirstCallReported(step, progress), batch, spec.steps, pad_to=spec.rows)
         compile_s = time.perf_counter() - t0
+        progress(f"DCP steps done ({len(out.step_logits)} engine steps)")
     diff = max((a - b).abs().max().item() for a, b in zip(ref.step_logits, out.step_logits))
     peak = max(a.abs().max().item() for a in ref.step_logits)
     report = last_report()
@@ -82,8 +131,16 @@ def _demo_rank(rank: int, world: int, spec: DemoSpec) -> DemoResult:
     )
 
 
-def run_demo(spec: DemoSpec) -> list[DemoResult]:
-    return run_on_ranks(_demo_rank, spec.dcp, spec)
+def run_demo(spec: DemoSpec, progress: Progress | None = None) -> list[DemoResult]:
+    """Run the demo on ``spec.dcp`` gloo ranks; ``ValueError`` (before any rank starts) for a bad spec."""
+    problems = spec.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+    progress = progress or Progress(enabled=False)
+    progress(f"starting {spec.dcp} CPU rank(s) over gloo")
+    results = run_on_ranks(_demo_rank, spec.dcp, spec, progress)
+    progress("every rank finished")
+    return results
 
 
 def format_demo(results: list[DemoResult]) -> str:

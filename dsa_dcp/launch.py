@@ -1,8 +1,15 @@
 """Run a function on N ranks: N CPU processes over gloo here, or the ranks ``torchrun`` started.
 
-``run_on_ranks(fn, n, *args)`` is the one place that spawns ranks for tests and the demo: it picks
-a free port, starts ``n`` processes (spawn), initializes a gloo process group in each, calls
-``fn(rank, n, *args)``, and returns the ranks' results in rank order.
+``run_on_ranks(fn, n, *args)`` is the one place that spawns ranks for tests and the demo: it starts
+``n`` processes (spawn), initializes a gloo process group in each, calls ``fn(rank, n, *args)``,
+and returns the ranks' results in rank order. The processes are started with ``spawn``, which
+imports the caller's main module in each: a script that calls ``run_on_ranks`` must do so under
+``if __name__ == "__main__":``.
+
+The group's store (a ``TCPStore``) is served by rank 0 on the loopback interface only
+(127.0.0.1), from a socket rank 0 binds to port 0 itself and hands to the store, so no other
+process can take the port in between; rank 0 publishes the port to the other ranks through
+shared memory the caller created. A rank waits for the port up to ``collective_timeout``.
 
 Nothing hangs. Each rank reports over its own pipe (joining, joined, result or traceback) and the
 caller also watches every process's exit, so it learns at once when a rank raises or dies. The
@@ -45,17 +52,39 @@ class RankError(RuntimeError):
     ``"failed"`` (raised; its traceback is in the message), ``"died"`` (exited without a result),
     ``"not joined"`` (still running, never called ``init_process_group``), ``"joining"`` (still
     inside ``init_process_group``) or ``"running"`` (joined, still running when stopped).
+    ``exceptions`` maps each rank that raised to ``(type, message)`` of what it raised, the type
+    as ``"module.QualName"`` (so a caller can report one refusal once, not once per rank).
     """
 
-    def __init__(self, message: str, ranks: dict[int, str] | None = None):
+    def __init__(self, message: str, ranks: dict[int, str] | None = None,
+                 exceptions: dict[int, tuple[str, str]] | None = None):
         super().__init__(message)
         self.ranks = dict(ranks or {})
+        self.exceptions = dict(exceptions or {})
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+STORE_HOST = "127.0.0.1"  # the ranks are local: the store is reachable from this host only
+
+
+def _store(rank: int, world_size: int, port_cell, timeout_s: float) -> dist.TCPStore:
+    """The group's store: rank 0 serves it on a loopback socket it bound to port 0 and publishes
+    the port in ``port_cell``; the other ranks wait for the port, then connect."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((STORE_HOST, 0))
+        listener.listen(max(world_size, 64))  # clients wait in the backlog until the store accepts
+        port = listener.getsockname()[1]
+        port_cell.value = port
+        return dist.TCPStore(STORE_HOST, port, world_size, is_master=True, timeout=timeout, wait_for_workers=True,
+                             master_listen_fd=listener.detach())  # the store owns the socket now
+    deadline = time.monotonic() + timeout_s
+    while port_cell.value == 0:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"rank {rank} of {world_size} timed out after {timeout_s:g} s waiting for rank 0 to "
+                               "open the group's store (rank 0 serves it)")
+        time.sleep(0.005)
+    return dist.TCPStore(STORE_HOST, port_cell.value, world_size, is_master=False, timeout=timeout)
 
 
 def _send(conn, msg) -> None:
@@ -65,28 +94,48 @@ def _send(conn, msg) -> None:
         pass
 
 
-def _rank_main(fn, rank, world_size, port, args, conn, collective_timeout, before_join):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(fn, rank, world_size, port_cell, args, conn, collective_timeout, before_join):
     torch.set_num_threads(1)
     try:
         if before_join is not None:
             before_join(rank, world_size)
         _send(conn, ("joining", None))
+        store = _store(rank, world_size, port_cell, collective_timeout)
+        os.environ.update(MASTER_ADDR=STORE_HOST, MASTER_PORT=str(port_cell.value))  # for code that reads them
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout)
+            "gloo", store=store, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
         )
         _send(conn, ("joined", None))
         value = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(value, buf)  # plain bytes: no shared-memory handles that die with this process
         _send(conn, ("result", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - every failure goes back to the caller
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+        _send(conn, ("exception", (f"{type(e).__module__}.{type(e).__qualname__}", str(e))))
         _send(conn, ("error", traceback.format_exc()))
     finally:
         conn.close()
         if dist.is_initialized():
             _leave_store_last(rank, world_size, collective_timeout)
             dist.destroy_process_group()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Leave without the interpreter's teardown: after the exit handlers (which stop any worker
+    processes) and a flush, ``os._exit``. Tearing down a process that imported torch takes
+    seconds (freeing every module and C++ static), which the caller would wait for each run."""
+    import atexit
+    import sys
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed: nothing to flush
+            pass
+    os._exit(0)
 
 
 def _leave_store_last(rank: int, world_size: int, timeout_s: float) -> None:
@@ -122,6 +171,7 @@ class _Ranks:
         self.phase = ["starting"] * n  # starting -> joining -> joined
         self.results: dict[int, bytes] = {}
         self.errors: dict[int, str] = {}  # insertion order = arrival order
+        self.exceptions: dict[int, tuple[str, str]] = {}
         self.dead: dict[int, int | None] = {}
         self.open = set(range(n))  # pipes not yet at EOF
 
@@ -144,6 +194,8 @@ class _Ranks:
                 self.phase[r] = kind
             elif kind == "result":
                 self.results[r] = payload
+            elif kind == "exception":
+                self.exceptions[r] = payload
             else:
                 self.errors[r] = payload
 
@@ -195,7 +247,7 @@ class _Ranks:
             head = f"{len(ranks)} of {world_size} rank(s) did not return a result"
         stopped = "; every rank still running was stopped" if self.pending() else ""
         message = "\n".join([head + stopped, *("  " + line for line in lines), *details])
-        return RankError(message, ranks)
+        return RankError(message, ranks, {r: self.exceptions[r] for r in self.errors if r in self.exceptions})
 
 
 def _stop(procs, grace: float) -> None:
@@ -240,14 +292,14 @@ def run_on_ranks(
     if collective_timeout <= 0:
         raise ValueError(f"collective_timeout must be > 0 seconds, got {collective_timeout}")
     ctx = mp.get_context("spawn")
-    port = free_port()
+    port_cell = ctx.Value("i", 0, lock=False)  # rank 0 writes its store's port here, once
     procs, conns = [], []
     try:
         for r in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_rank_main,
-                args=(fn, r, world_size, port, args, child_end, collective_timeout, before_join),
+                args=(fn, r, world_size, port_cell, args, child_end, collective_timeout, before_join),
                 daemon=True,
             )
             p.start()

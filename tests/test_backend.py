@@ -93,7 +93,7 @@ OPTION_CHANGES = {
     "merge": {"merge": "ag"}, "interleave": {"interleave": 2}, "lowering": {"lowering": "inductor"},
     "share_remaps": {"share_remaps": False}, "cuda_graphs": {"cuda_graphs": False},
     "batch_sizes": {"batch_sizes": [1, 8]}, "page_size": {"page_size": 64}, "allow_multi_host": {"allow_multi_host": True},
-    "debug_checks": {"debug_checks": True},
+    "debug_checks": {"debug_checks": True}, "mode": {"mode": "reduce-overhead"},
 }  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 """The multi-rank harness: results by rank, failures with tracebacks, no hangs."""
 
+import os
 import time
 
 import pytest
@@ -41,3 +42,34 @@ def test_a_failing_rank_fails_the_caller_with_its_traceback():
 def test_a_rank_that_never_finishes_times_out():
     with pytest.raises(RankError, match=r"did not finish within 5 s"):
         run_on_ranks(_sleeps, 2, timeout=5)
+
+
+def _listening_addresses(port):
+    """Local addresses of the sockets listening on ``port`` (IPv4 and IPv6), from /proc/net."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.append(address)
+    return found
+
+
+def _store_listeners(rank, world):
+    import os
+
+    dist.barrier()
+    return _listening_addresses(int(os.environ["MASTER_PORT"])) if rank == 0 else None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads listening sockets from Linux's /proc/net")
+def test_the_store_listens_on_the_loopback_only():
+    listeners = run_on_ranks(_store_listeners, 2)[0]
+    # 0100007F is 127.0.0.1 (little-endian hex); a store bound to every interface shows 00000000
+    # (IPv4) or ::, all zeros (IPv6)
+    assert listeners == ["0100007F"], listeners

@@ -27,9 +27,12 @@ def test_usage_example_builds_a_local_cache():
     assert all(c.shape[0] == 2048 for c in scope["model"].kv_caches())
 
 
+CPU_INDEX = "--extra-index-url https://download.pytorch.org/whl/cpu"
+
+
 def test_quickstart_has_exactly_two_commands():
     commands = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
-    assert commands[:2] == ["pip install torch==2.13.0 -e . && dsa-dcp demo\n",
-                            'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q\n']
+    assert commands == [f"pip install torch==2.13.0 -e . {CPU_INDEX} && dsa-dcp demo\n",
+                        f'pip install torch==2.13.0 -e ".[test]" {CPU_INDEX} && python -m pytest -q\n']
     ci = (README.parent / ".ci" / "run").read_text()
-    assert 'pip install -q torch==2.13.0 -e ".[test]"' in ci and "python -m pytest -q" in ci
+    assert f'pip install -q torch==2.13.0 -e ".[test]" {CPU_INDEX}' in ci and "python -m pytest -q" in ci

@@ -91,7 +91,7 @@ def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: 
     if options.lowering == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        fn = compile_fx(gm, list(example_inputs))
+        fn = compile_fx(gm, list(example_inputs), config_patches=options.inductor_config())  # mode=max-autotune
     else:
         fn = gm.forward
     if graphs:

@@ -95,7 +95,10 @@ class DCPPass:
         result.code_after = gm.code
         result.nodes_added = sorted(after_nodes - before_nodes)
         result.nodes_removed = sorted(before_nodes - after_nodes)
-        log.info("%s: %s", self.name, result.stats)
+        # TORCH_LOGS=dsa_dcp: a line per pass; +dsa_dcp: the nodes it added and removed
+        log.info("pass %s (rank %d of %d): %s", self.name, ctx.rank, ctx.dcp_size, result.stats)
+        log.debug("pass %s: +%d nodes %s, -%d nodes %s", self.name, len(result.nodes_added), result.nodes_added,
+                  len(result.nodes_removed), result.nodes_removed)
 
         def trace_payload() -> str:  # one artifact per pass in TORCH_TRACE / tlparse
             head = [f"# pass {result.name}: {result.stats}",
