@@ -90,7 +90,7 @@ def test_dcp_size_above_one_needs_a_group():
 # one valid, non-default value per option (dcp_size 2 where the option needs a group of several)
 OPTION_CHANGES = {
     "dcp_size": {"dcp_size": 2}, "group": {"dcp_size": 2, "group": "dcp"}, "rank": {"dcp_size": 2, "rank": 1},
-    "merge": {"merge": "ag"}, "interleave": {"interleave": 2}, "lowering": {"lowering": "inductor"},
+    "merge": {"merge": "ag"}, "interleave": {"interleave": 2}, "lowering": {"lowering": "fx"},
     "share_remaps": {"share_remaps": False}, "cuda_graphs": {"cuda_graphs": False},
     "batch_sizes": {"batch_sizes": [1, 8]}, "page_size": {"page_size": 64}, "allow_multi_host": {"allow_multi_host": True},
     "debug_checks": {"debug_checks": True}, "mode": {"mode": "reduce-overhead"},
