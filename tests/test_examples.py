@@ -29,6 +29,7 @@ COMMANDS = {
     "cpu_ranks.py": [sys.executable, "examples/cpu_ranks.py", "--ranks", "2", *TINY],
     "torchrun_dcp.py": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "examples/torchrun_dcp.py", "--device", "cpu", *TINY],
+    "transformers_dcp.py": [sys.executable, "examples/transformers_dcp.py", "--ranks", "2", "--tokens", "2"],
 }
 IN_PROCESS = {"one_device.py": ["--device", "cpu", *TINY]}
 

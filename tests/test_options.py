@@ -88,8 +88,8 @@ def test_valid_values_still_parse():
 @pytest.mark.parametrize(
     "mode, lowering, cuda_graphs, inductor",
     [
-        ("default", "fx", None, {}),
-        ("reduce-overhead", "fx", None, {}),  # CUDA graphs where the step runs on CUDA: the default
+        ("default", "inductor", None, {}),
+        ("reduce-overhead", "inductor", None, {}),  # CUDA graphs where the step runs on CUDA: the default
         ("max-autotune", "inductor", None, {"max_autotune": True, "coordinate_descent_tuning": True}),
         ("max-autotune-no-cudagraphs", "inductor", False, {"max_autotune": True, "coordinate_descent_tuning": True}),
     ],
