@@ -8,6 +8,7 @@ from typing import Any
 
 MERGE_MODES = ("ag", "a2a", "ag_rs", "fused_a2a")
 LOWERINGS = ("fx", "inductor")
+INDEX_CACHES = ("replicated", "sharded")
 
 
 class OptionsError(ValueError):
@@ -39,6 +40,13 @@ class DCPOptions:
     allow_multi_host: compile a DCP group whose ranks are on several hosts (refused by default).
     debug_checks: check at run time that top-k slots are in range and that every rank computed the
                   same top-k (one checksum all-gather per attention layer; off by default).
+    indexer_kernels: replace the lightning indexer as the model writes it (gather, einsums, relu,
+                  mask, ``torch.topk``) with the ``index_scores`` and ``topk_select`` ops (the
+                  ``indexer_kernels`` pass, at every ``dcp_size``); ``False`` keeps it as written.
+    index_cache:  ``"replicated"`` (every rank holds every index key and computes the global
+                  top-k) or ``"sharded"`` (each rank holds the keys of the slots it owns, scores
+                  those, and the group agrees on the top-k with one all-gather per indexer layer;
+                  the caches must be allocated for it, and it needs ``indexer_kernels``).
     """
 
     dcp_size: int = 1
@@ -53,6 +61,8 @@ class DCPOptions:
     page_size: int | None = None
     allow_multi_host: bool = False
     debug_checks: bool = False
+    indexer_kernels: bool = True
+    index_cache: str = "replicated"
 
     @classmethod
     def parse(cls, options: dict[str, Any] | DCPOptions | None) -> DCPOptions:
@@ -106,6 +116,13 @@ class DCPOptions:
             isinstance(self.rank, int) and isinstance(self.dcp_size, int) and 0 <= self.rank < self.dcp_size
         ):
             p.append(f"rank must be None or in [0, dcp_size), got {self.rank!r}")
+        if not isinstance(self.indexer_kernels, bool):
+            p.append(f"indexer_kernels must be True or False, got {self.indexer_kernels!r}")
+        if self.index_cache not in INDEX_CACHES:
+            p.append(f"index_cache must be one of {list(INDEX_CACHES)}, got {self.index_cache!r}")
+        elif self.index_cache == "sharded" and self.indexer_kernels is False:
+            p.append("index_cache='sharded' needs indexer_kernels=True: the sharded scores and the top-k "
+                     "agreement replace the indexer the indexer_kernels pass recognizes")
         return p
 
     def cache_key(self) -> str:
