@@ -30,7 +30,8 @@ def _inspect(args: argparse.Namespace) -> int:
     from dsa_dcp.inspect import inspect_target
 
     inspection = inspect_target(args.target, dcp_size=args.dcp, merge=args.merge, interleave=args.interleave,
-                                kv_dtype=args.kv_dtype, slots=args.slots, gpu_mem_gib=args.gpu_mem, rows=args.rows)
+                                kv_dtype=args.kv_dtype, slots=args.slots, gpu_mem_gib=args.gpu_mem, rows=args.rows,
+                                options={"index_cache": args.index_cache})
     out = args.out or ("dsa-dcp-inspect" if args.format == "html" else None)
     paths = inspection.write(out) if out else {}
     if args.format == "json":
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     insp.add_argument("--merge", choices=MERGE_MODES, default="a2a")
     insp.add_argument("--interleave", type=int, default=1)
     insp.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV dtype of the memory plan")
+    insp.add_argument("--index-cache", choices=("replicated", "sharded"), default="replicated",
+                      help="the index cache option (built-in configs are allocated for it)")
     insp.add_argument("--format", choices=("text", "json", "html"), default="text")
     insp.add_argument("--out", help="write report.{txt,json,html}, dataflow.{svg,png} and graphs/*.py here "
                                     "(html default: ./dsa-dcp-inspect)")

@@ -177,3 +177,83 @@ def test_sharded_ops_meet_their_schemas():
     cache = torch.randn(local_cache_rows(30 * page, 2), 8, generator=gen)
     positions = torch.tensor([19, 13, 5, 17, 3, -1])
     torch.library.opcheck(ops.index_scores_sharded, (q, w, cache, None, page_table, req_ids, positions, page, 2, 1, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# validation: the option and the caches must agree, both ways
+
+
+def _problems(model_or_fn, inputs, options):
+    from dsa_dcp.inspect.targets import fake_group
+    from dsa_dcp.validate import DCPValidationError
+
+    torch._dynamo.reset()
+    with fake_group(2), pytest.raises(Exception) as err:
+        torch.compile(model_or_fn, backend="dsa_dcp", options={"lowering": "fx", **options}, fullgraph=True)(*inputs)
+    cause = err.value
+    while cause is not None and not isinstance(cause, DCPValidationError):
+        cause = getattr(cause, "inner_exception", None) or cause.__cause__
+    assert isinstance(cause, DCPValidationError), repr(err.value)
+    return cause.problems
+
+
+def _model_inputs():
+    rows = torch.zeros(4, dtype=torch.int64)
+    return rows, rows - 1, rows, rows - 1, torch.full((1, 16), -1, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("allocated, compiled", [("replicated", "sharded"), ("sharded", "replicated")])
+def test_index_cache_option_and_caches_must_agree(allocated, compiled):
+    cfg = get_config("deepseek-v3.2-tiny", n_layers=2)
+    model = DSAModel(cfg, 64, dcp_size=2, index_cache=allocated)
+    problems = _problems(model, _model_inputs(), {"dcp_size": 2, "merge": "ag", "index_cache": compiled})
+    assert len(problems) == 1, problems  # one message for both layers' caches
+    (p,) = problems
+    if compiled == "sharded":
+        assert "index_cache='sharded' keeps only this rank's index keys, but index cache" in p
+        assert "holds every slot's (allocated replicated); allocate it for the group: DSAModel(..., dcp_size=2, " \
+               "index_cache='sharded')" in p
+    else:
+        assert "holds this rank's share of the index keys (32 rows for 64 slots: allocated for " \
+               "index_cache='sharded', dcp_size=2) but the program is compiled with index_cache='replicated'" in p
+    assert "(the same for 1 more:" in p
+
+
+def test_sharded_index_cache_needs_the_indexer_kernels():
+    from dsa_dcp.config import DCPOptions, OptionsError
+
+    with pytest.raises(OptionsError, match=r"index_cache='sharded' needs indexer_kernels=True"):
+        DCPOptions.parse({"index_cache": "sharded", "indexer_kernels": False})
+    with pytest.raises(OptionsError, match=r"index_cache must be one of \['replicated', 'sharded'\], got 'split'"):
+        DCPOptions.parse({"index_cache": "split"})
+
+
+def test_a_sharded_cache_read_by_an_unrecognized_indexer_is_refused_with_the_reason():
+    import dsa_dcp
+    from test_indexer_pass import DC, DI, DR, SPARSE_MLA, _inputs, indexer
+
+    def step(q, w, index_cache, page_table, req_ids, positions, q_nope, q_pe, kv):
+        topk = indexer(q, w, index_cache, page_table, req_ids, positions, compare="<")
+        return SPARSE_MLA(q_nope, q_pe, kv, topk, 0.3)[0]
+
+    inputs = list(_inputs())
+    s = inputs[2].shape[0]
+    inputs[2] = dsa_dcp.allocate_index_cache(s, DI, dcp_size=2, sharded=True)
+    inputs[-1] = dsa_dcp.allocate_kv_cache(s, DC + DR, dcp_size=2)
+    problems = _problems(step, inputs, {"dcp_size": 2, "merge": "ag", "index_cache": "sharded"})
+    (p,) = [p for p in problems if p.startswith("index cache")]
+    assert "holds this rank's rows only (index_cache='sharded'), but it is read by" in p
+    assert "not by a lightning indexer the indexer_kernels pass recognized (topk: its mask term" in p
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_memory_plan_of_the_sharded_index_cache(n):
+    from dsa_dcp.inspect.memory import memory_plan
+
+    plan = memory_plan("glm5.3", "fp8", n, gpu_mem_gib=80, index_cache="sharded")
+    assert plan.bytes_per_token_per_rank == (44928 + 2772) / n == plan.bytes_per_token_per_rank_split_index
+    assert plan.index_bytes_per_token_per_rank == 2772 / n
+    assert plan.tokens_that_fit == plan.tokens_that_fit_split_index
+    assert dict(plan.rows())["index-key bytes per token per rank"].endswith(f"(2,772 / {n}: sharded)")
+    bf16 = memory_plan("glm5.2", "bf16", n, slots=1000, index_cache="sharded")
+    assert bf16.bytes_per_rank_for_slots == local_cache_rows(1000, n) * (78 * 1152 + 21 * 256)

@@ -182,13 +182,13 @@ class _Matcher:
         if set(items) != {0, 1}:
             raise NoMatch("it needs both its values (the -inf test) and its indices")
         self.take(*items.values())
+        unmasked, mask, means_valid = self._masked(score)
         cand, result = self._result(items[0], items[1])
         self._consumers(result)
         cand_of = self._candidates(cand)  # (page_table, req, page_size)
-        valid = self._masked(score)
-        q, w, keys = self._scores(valid[0])
+        q, w, keys = self._scores(unmasked)
         cache = self._key_gather(keys, cand)
-        self._mask(valid[1], valid[2], cand, shape)
+        self._mask(mask, means_valid, cand, shape)
         page_table, req, page_size = cand_of
         t, _ = shape
         heads = (_shape(w) or (0, 0))[1]
@@ -201,10 +201,11 @@ class _Matcher:
 
     def _result(self, values: fx.Node, indices: fx.Node) -> tuple[fx.Node, fx.Node]:
         """``where(values == -inf, -1, cand.gather(1, indices))`` [converted]: (cand, the result node)."""
-        gather = self._only_user(indices, "the top-k indices")
-        if _name(gather) != "gather" or _arg(gather, 1, "dim") not in (1, -1) or _arg(gather, 2, "index") is not indices \
-                or gather.kwargs.get("sparse_grad"):
-            raise NoMatch(f"its indices are used by {gather.format_node()}, not cand.gather(1, indices)")
+        gathers = [u for u in indices.users if _name(u) == "gather" and _arg(u, 1, "dim") in (1, -1)
+                   and _arg(u, 2, "index") is indices and u.args[0] is not indices and not u.kwargs.get("sparse_grad")]
+        if len(gathers) != 1:
+            raise NoMatch(f"its indices ({indices.name}) are not read by one cand.gather(1, indices)")
+        gather = gathers[0]
         cand = gather.args[0]
         test = self._only_user(values, "the top-k values")
         name, args = _name(test), test.args
@@ -216,19 +217,20 @@ class _Matcher:
             raise NoMatch(f"its values are used by {test.format_node()}, not a test for -inf")
         self.take(gather, test)
         pick = self._only_user(test, "the -inf test")
-        fills = [u for u in gather.users if u is not pick]
+        # what else reads the slots or the indices must be the -1 fill shaped like them
+        fills = [u for u in list(gather.users) + list(indices.users) if u is not pick and u is not gather]
         if _name(pick) == "masked_fill" and is_empty and pick.args[:2] == (gather, test) and \
                 _arg(pick, 2, "value") == -1:
             pass
         elif _name(pick) == "where" and len(pick.args) == 3 and pick.args[0] is test:
             chosen, other = (pick.args[2], pick.args[1]) if is_empty else (pick.args[1], pick.args[2])
-            if chosen is not gather or not self._is_fill(other, gather, -1):
+            if chosen is not gather or not (self._is_fill(other, gather, -1) or self._is_fill(other, indices, -1)):
                 raise NoMatch(f"{pick.format_node()} does not put -1 where the top-k value is -inf")
             fills = [f for f in fills if f is not other]
         else:
             raise NoMatch(f"the -inf test is used by {pick.format_node()}, not where(..., -1, slots)")
         if fills:
-            raise NoMatch(f"the selected slots are also used by {fills[0].format_node()}")
+            raise NoMatch(f"the top-k's slots or indices are also used by {fills[0].format_node()}")
         self.take(pick)
         result = pick
         if len(pick.users) == 1:
