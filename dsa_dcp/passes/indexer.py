@@ -542,7 +542,8 @@ class _Matcher:
     def _is_keys(node: object) -> bool:
         if _dtype_arg(node) == torch.float32:
             node = node.args[0]
-        return _name(node) == "getitem" and isinstance(node.args[1], fx.Node) and node.args[0].op == "placeholder"
+        return _name(node) == "getitem" and isinstance(node.args[1], fx.Node) and isinstance(node.args[0], fx.Node) \
+            and node.args[0].op == "placeholder"
 
     def _query(self, q: fx.Node) -> fx.Node:
         """The query operand; a widening to fp32 is dropped (the kernels widen exactly)."""
