@@ -117,7 +117,8 @@ def indexer(q, w, index_cache, page_table, req_ids, positions, *, product="einsu
         logits = torch.relu(torch.matmul(keys, qq.transpose(-1, -2)))
     if product == "matmul_kq":
         score = torch.einsum("tch,th->tc", logits, w) if head_sum == "einsum" else \
-            (logits * w.unsqueeze(1)).sum(-1) if head_sum == "sum" else torch.matmul(logits, w.unsqueeze(-1)).squeeze(-1)
+            (logits * w.unsqueeze(1)).sum(-1) if head_sum == "sum" else \
+            torch.matmul(logits, w.unsqueeze(-1)).squeeze(-1)
     else:
         score = torch.einsum("thc,th->tc", logits, w) if head_sum == "einsum" else \
             (logits * w[:, :, None]).sum(dim=1) if head_sum == "sum" else (w.unsqueeze(1) @ logits).squeeze(1)

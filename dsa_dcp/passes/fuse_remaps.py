@@ -41,7 +41,8 @@ class FuseRemaps(DCPPass):
                 continue
             args = topk.args if topk.target is TOPK_AGREE else (*topk.args, n)  # topk_agree carries N already
             if topk.target is TOPK_AGREE and topk.args[-1] != n:
-                kept.append(f"{remap.name}: remaps for N={n}, its top-k was agreed over N={topk.args[-1]}: kept unfused")
+                kept.append(f"{remap.name}: remaps for N={n}, its top-k was agreed over N={topk.args[-1]}: "
+                            f"kept unfused")
                 continue
             with graph.inserting_before(remap):
                 node = Emitter(graph, like=remap)(FUSED[topk.target], *args, rank, interleave)

@@ -303,7 +303,8 @@ class _Matcher:
                           f"or page_table[req]")
         if _dtype(page_table) not in _INTS or len(_shape(page_table) or ()) != 2 or _shape(page_table)[1] != max_pages \
                 or _dtype(req) not in _INTS or _shape(req) != (t,):
-            raise NoMatch(f"{pages.name} does not read an int [R, {max_pages}] page table with an int [T] request index")
+            raise NoMatch(f"{pages.name} does not read an int [R, {max_pages}] page table with an int [T] "
+                          f"request index")
         self.take(pages)
         return page_table, req, page_size
 
@@ -315,7 +316,8 @@ class _Matcher:
         if _name(base) != "arange" or _dtype(base) not in _INTS or _shape(base) != (end,):
             return False
         args = [a for a in base.args]
-        bounds = {"start": base.kwargs.get("start", 0), "end": base.kwargs.get("end"), "step": base.kwargs.get("step", 1)}
+        bounds = {"start": base.kwargs.get("start", 0), "end": base.kwargs.get("end"),
+                  "step": base.kwargs.get("step", 1)}
         if len(args) == 1:
             bounds["end"] = args[0]
         elif len(args) in (2, 3):
