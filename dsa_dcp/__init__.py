@@ -2,7 +2,8 @@
 
 Public API: ``compile`` (``torch.compile`` with this backend, options checked before tracing),
 ``sparse_attention`` (the model-author decorator), ``DCPOptions`` (the backend's options),
-``allocate_kv_cache`` (a rank's KV cache for a DCP group), ``backend`` (the callable registered as
+``allocate_kv_cache`` (a rank's KV cache for a DCP group), ``allocate_index_cache`` (an
+indexer's key cache, replicated or sharded), ``backend`` (the callable registered as
 ``backend="dsa_dcp"``), ``backend_report`` (what the last compilation did; cleared by
 ``torch.compiler.reset()``), ``inspect`` (what the backend did to a compiled model:
 ``dsa_dcp.inspect(compiled)``), and the refusals: ``OptionsError``, ``DCPValidationError``,
@@ -16,7 +17,7 @@ from dsa_dcp.backend import last_report as backend_report
 from dsa_dcp.config import DCPOptions, OptionsError
 from dsa_dcp.decorator import SparseAttentionContractError, sparse_attention
 from dsa_dcp.entry import compile
-from dsa_dcp.kv_cache import allocate_kv_cache
+from dsa_dcp.kv_cache import allocate_index_cache, allocate_kv_cache
 from dsa_dcp.passes.errors import DCPRewriteError
 from dsa_dcp.validate import DCPValidationError
 from dsa_dcp import inspect  # a callable package: dsa_dcp.inspect(compiled)
@@ -54,6 +55,7 @@ __all__ = [
     "DCPValidationError",
     "OptionsError",
     "SparseAttentionContractError",
+    "allocate_index_cache",
     "allocate_kv_cache",
     "backend",
     "backend_report",

@@ -125,7 +125,7 @@ def _inspect(args: argparse.Namespace) -> int:
     try:
         inspection = inspect_target(args.target, dcp_size=args.dcp, merge=args.merge, interleave=args.interleave,
                                     kv_dtype=args.kv_dtype, slots=args.slots, gpu_mem_gib=args.gpu_mem,
-                                    rows=args.rows)
+                                    rows=args.rows, options={"index_cache": args.index_cache})
     except Exception as e:
         ours = find_dcp_error(e)
         if ours is None:
@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     insp.add_argument("--merge", choices=MERGE_MODES, default="a2a")
     insp.add_argument("--interleave", type=_at_least(1), default=1)
     insp.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV dtype of the memory plan")
+    insp.add_argument("--index-cache", choices=("replicated", "sharded"), default="replicated",
+                      help="the index cache option (built-in configs are allocated for it)")
     insp.add_argument("--format", choices=("text", "json", "html"), default="text")
     insp.add_argument("--out", help="write report.{txt,json,html}, dataflow.{svg,png} and graphs/*.py here "
                                     "(html default: ./dsa-dcp-inspect)")

@@ -13,6 +13,7 @@ LOWERINGS = ("fx", "inductor")
 # max-autotune(-no-cudagraphs): Inductor lowering with its autotuning (without CUDA graphs).
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
+INDEX_CACHES = ("replicated", "sharded")
 
 
 class OptionsError(ValueError):
@@ -47,6 +48,13 @@ class DCPOptions:
                   the same point of the same step, that top-k slots are in range and that every rank
                   computed the same top-k (host syncs; off by default). They run Python between
                   kernels, so unless given, ``lowering`` becomes ``"fx"`` and ``cuda_graphs`` False.
+    indexer_kernels: replace the lightning indexer as the model writes it (gather, einsums, relu,
+                  mask, ``torch.topk``) with the ``index_scores`` and ``topk_select`` ops (the
+                  ``indexer_kernels`` pass, at every ``dcp_size``); ``False`` keeps it as written.
+    index_cache:  ``"replicated"`` (every rank holds every index key and computes the global
+                  top-k) or ``"sharded"`` (each rank holds the keys of the slots it owns, scores
+                  those, and the group agrees on the top-k with one all-gather per indexer layer;
+                  the caches must be allocated for it, and it needs ``indexer_kernels``).
     mode:         ``torch.compile``'s ``mode=`` (one of ``MODES``), also given as an option:
                   ``"reduce-overhead"`` keeps CUDA graphs on for a CUDA step (refuses
                   ``cuda_graphs=False``); ``"max-autotune"`` and ``"max-autotune-no-cudagraphs"``
@@ -71,6 +79,8 @@ class DCPOptions:
     allow_multi_host: bool = False
     debug_checks: bool = False
     mode: str = "default"
+    indexer_kernels: bool = True
+    index_cache: str = "replicated"
 
     @classmethod
     def parse(cls, options: dict[str, Any] | DCPOptions | None) -> DCPOptions:
@@ -132,7 +142,7 @@ class DCPOptions:
             p.append(f"interleave must be an integer >= 1, got {self.interleave!r}")
         if not _member(self.lowering, LOWERINGS):
             p.append(f"lowering must be one of {list(LOWERINGS)}, got {self.lowering!r}")
-        for flag in ("share_remaps", "allow_multi_host", "debug_checks"):
+        for flag in ("share_remaps", "allow_multi_host", "debug_checks", "indexer_kernels"):
             if not isinstance(getattr(self, flag), bool):
                 p.append(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
@@ -155,6 +165,11 @@ class DCPOptions:
             p.append("mode='reduce-overhead' means CUDA graphs, but cuda_graphs=False; drop one of them")
         if self.mode == "max-autotune-no-cudagraphs" and self.cuda_graphs is True:
             p.append("mode='max-autotune-no-cudagraphs' means no CUDA graphs, but cuda_graphs=True; drop one of them")
+        if not _member(self.index_cache, INDEX_CACHES):
+            p.append(f"index_cache must be one of {list(INDEX_CACHES)}, got {self.index_cache!r}")
+        elif self.index_cache == "sharded" and self.indexer_kernels is False:
+            p.append("index_cache='sharded' needs indexer_kernels=True: the sharded scores and the top-k "
+                     "agreement replace the indexer the indexer_kernels pass recognizes")
         return p
 
     def inductor_config(self) -> dict[str, Any]:

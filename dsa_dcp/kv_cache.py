@@ -5,6 +5,12 @@ here, when the model is built: ``allocate_kv_cache(num_slots, dim, dcp_size=N)``
 of ``local_cache_rows(num_slots, N, I)`` rows and records its layout. The DCP rewrite looks the
 layout up (``kv_layout(tensor)``) and refuses a cache allocated for another DCP size (a global
 cache on a DCP rank, or the reverse) or one it knows nothing about.
+
+The indexer's key cache is allocated by ``allocate_index_cache``: whole (``[S, dim]`` on every
+rank, ``index_cache="replicated"``) or, ``sharded=True``, like a KV cache (this rank's rows, its
+layout recorded: ``index_cache="sharded"``). Either way it is recorded as an index cache
+(``is_index_cache``), so the backend can tell the two kinds apart and refuse a mismatch with the
+``index_cache`` option.
 """
 
 from __future__ import annotations
@@ -52,6 +58,36 @@ def allocate_kv_cache(
 def kv_layout(cache: torch.Tensor) -> KVLayout | None:
     """The layout ``cache`` was allocated with (``None`` if it did not come from ``allocate_kv_cache``)."""
     return _layouts.get(cache)
+
+
+_index_caches: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def allocate_index_cache(
+    num_slots: int,
+    dim: int,
+    *,
+    dcp_size: int = 1,
+    interleave: int = 1,
+    sharded: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """A zeroed index-key cache: ``[num_slots, dim]`` (replicated), or with ``sharded=True`` and
+    ``dcp_size > 1`` the ``local_cache_rows(num_slots, dcp_size, interleave)`` rows this rank owns,
+    with its layout recorded as ``allocate_kv_cache`` does (its writes are then localized)."""
+    if sharded and dcp_size > 1:
+        cache = allocate_kv_cache(num_slots, dim, dcp_size=dcp_size, interleave=interleave, dtype=dtype,
+                                  device=device)
+    else:
+        cache = torch.zeros(num_slots, dim, dtype=dtype, device=device)
+    _index_caches[cache] = True
+    return cache
+
+
+def is_index_cache(cache: object) -> bool:
+    """``cache`` came from ``allocate_index_cache`` (sharded when it also has a ``kv_layout``)."""
+    return isinstance(cache, torch.Tensor) and cache in _index_caches
 
 
 def bytes_per_token(caches: list[torch.Tensor]) -> float:

@@ -364,3 +364,100 @@ def _topk_select_remap_fake(scores: Tensor, page_table: Tensor, req_ids: Tensor,
 INDEX_SCORES = torch.ops.dsa_dcp.index_scores.default
 TOPK_SELECT = torch.ops.dsa_dcp.topk_select.default
 TOPK_SELECT_REMAP = torch.ops.dsa_dcp.topk_select_remap.default
+
+
+# --------------------------------------------------------------------------- the sharded index cache
+# (index_cache="sharded": each rank scores the candidates it owns; the group agrees on the top-k
+# through one all-gather of every rank's best k. Contracts in dsa_dcp/kernels/indexer.py.)
+
+from dsa_dcp.kernels import indexer as _indexer  # noqa: E402
+
+
+@torch.library.custom_op("dsa_dcp::index_scores_sharded", mutates_args=())
+def index_scores_sharded(q: Tensor, w: Tensor, index_cache: Tensor, key_scale: Tensor | None, page_table: Tensor,
+                         req_ids: Tensor, positions: Tensor, page_size: int, dcp_size: int, rank: int,
+                         interleave: int) -> Tensor:
+    """``index_scores`` over a rank's shard of the index cache: the candidates ``rank`` owns, read at
+    their local rows; ``-inf`` for every other candidate."""
+    return _indexer.index_scores_reference(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size,
+                                           shard=(dcp_size, rank, interleave))
+
+
+@index_scores_sharded.register_kernel("cuda")
+def _index_scores_sharded_cuda(q: Tensor, w: Tensor, index_cache: Tensor, key_scale: Tensor | None,
+                               page_table: Tensor, req_ids: Tensor, positions: Tensor, page_size: int,
+                               dcp_size: int, rank: int, interleave: int) -> Tensor:
+    return _indexer.index_scores_triton(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size,
+                                        shard=(dcp_size, rank, interleave))
+
+
+@index_scores_sharded.register_fake
+def _index_scores_sharded_fake(q: Tensor, w: Tensor, index_cache: Tensor, key_scale: Tensor | None,
+                               page_table: Tensor, req_ids: Tensor, positions: Tensor, page_size: int,
+                               dcp_size: int, rank: int, interleave: int) -> Tensor:
+    if not (dcp_size >= 1 and 0 <= rank < dcp_size and interleave >= 1):
+        raise ValueError(f"index_scores_sharded: need dcp_size >= 1, 0 <= rank < dcp_size, interleave >= 1; got "
+                         f"{dcp_size}, {rank}, {interleave}")
+    return _index_scores_fake(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size)
+
+
+@torch.library.custom_op("dsa_dcp::topk_candidates", mutates_args=())
+def topk_candidates(scores: Tensor, k: int) -> Tensor:
+    """This rank's best ``k`` candidates of each row as ``[T, k, 2]`` int32 (score bits, position)."""
+    return _indexer.topk_candidates_reference(scores, k)
+
+
+@topk_candidates.register_kernel("cuda")
+def _topk_candidates_cuda(scores: Tensor, k: int) -> Tensor:
+    return _indexer.topk_candidates_triton(scores, k)
+
+
+@topk_candidates.register_fake
+def _topk_candidates_fake(scores: Tensor, k: int) -> Tensor:
+    if scores.dim() != 2 or k < 0:
+        raise ValueError(f"topk_candidates: want scores [T, C] and k >= 0, got {tuple(scores.shape)}, {k}")
+    return scores.new_empty((scores.shape[0], k, 2), dtype=torch.int32)
+
+
+def _check_agree_fake(gathered: Tensor, page_table: Tensor, req_ids: Tensor, k: int, dcp_size: int, op: str) -> None:
+    if gathered.dim() != 3 or gathered.shape[2] != 2 or page_table.dim() != 2 or k < 0 or dcp_size < 1 \
+            or req_ids.shape[0] * dcp_size != gathered.shape[0]:
+        raise ValueError(f"{op}: want gathered [N * T, k', 2], page_table [R, max_pages], req_ids [T], k >= 0; got "
+                         f"{tuple(gathered.shape)}, {tuple(page_table.shape)}, {tuple(req_ids.shape)}, {k}, "
+                         f"N = {dcp_size}")
+
+
+@torch.library.custom_op("dsa_dcp::topk_agree", mutates_args=())
+def topk_agree(gathered: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int, dcp_size: int) -> Tensor:
+    """The group's top-k (``topk_select``'s slots) from every rank's gathered ``topk_candidates``."""
+    return _indexer.topk_agree_reference(gathered, page_table, req_ids, page_size, k, dcp_size)
+
+
+@topk_agree.register_fake
+def _topk_agree_fake(gathered: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int,
+                     dcp_size: int) -> Tensor:
+    _check_agree_fake(gathered, page_table, req_ids, k, dcp_size, "topk_agree")
+    return gathered.new_empty((req_ids.shape[0], k), dtype=torch.int32)
+
+
+@torch.library.custom_op("dsa_dcp::topk_agree_remap", mutates_args=())
+def topk_agree_remap(gathered: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int, dcp_size: int,
+                     rank: int, interleave: int) -> tuple[Tensor, Tensor]:
+    """``topk_remap(topk_agree(...), dcp_size, rank, interleave)`` in one op."""
+    return _indexer.topk_agree_remap_reference(gathered, page_table, req_ids, page_size, k, dcp_size, rank, interleave)
+
+
+@topk_agree_remap.register_fake
+def _topk_agree_remap_fake(gathered: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int,
+                           dcp_size: int, rank: int, interleave: int) -> tuple[Tensor, Tensor]:
+    _check_agree_fake(gathered, page_table, req_ids, k, dcp_size, "topk_agree_remap")
+    t = req_ids.shape[0]
+    return gathered.new_empty((t, k), dtype=torch.int32), gathered.new_empty((t,), dtype=torch.int32)
+
+
+INDEX_SCORES_SHARDED = torch.ops.dsa_dcp.index_scores_sharded.default
+TOPK_CANDIDATES = torch.ops.dsa_dcp.topk_candidates.default
+TOPK_AGREE = torch.ops.dsa_dcp.topk_agree.default
+TOPK_AGREE_REMAP = torch.ops.dsa_dcp.topk_agree_remap.default
+# a remap fused with the selection that feeds it: what the graph summary counts as a remap
+FUSED_REMAPS = (TOPK_SELECT_REMAP, TOPK_AGREE_REMAP)

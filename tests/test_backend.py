@@ -94,6 +94,7 @@ OPTION_CHANGES = {
     "share_remaps": {"share_remaps": False}, "cuda_graphs": {"cuda_graphs": False},
     "batch_sizes": {"batch_sizes": [1, 8]}, "page_size": {"page_size": 64}, "allow_multi_host": {"allow_multi_host": True},
     "debug_checks": {"debug_checks": True}, "mode": {"mode": "reduce-overhead"},
+    "indexer_kernels": {"indexer_kernels": False}, "index_cache": {"index_cache": "sharded"},
 }  # fmt: skip
 
 
@@ -124,7 +125,8 @@ def test_dcp_size_one_equals_eager(family, layers, lowering):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     report = dsa_dcp.backend_report()
     assert report.summary["sparse_attention_nodes"] == layers
-    assert report.passes == []  # dcp_size=1 keeps the graph as written
+    # dcp_size=1 keeps the graph as written, but for the indexer's kernels (tests/test_indexer_pass.py)
+    assert [p.name for p in report.passes] == ["indexer_kernels"]
 
 
 def test_pass_uuid_covers_options_rank_and_group():

@@ -74,7 +74,10 @@ def test_rule_heads(fake_group):
 
 def test_rule_epilogue_falls_back_to_ag_with_a_warning(fake_group):
     """A layer whose epilogue a head-sharded merge cannot shard merges with ag, and says so once."""
+    from dsa_dcp.backend import forget_compile_history
+
     torch._dynamo.reset()
+    forget_compile_history()  # earlier tests compiled `step` for these shapes: no "compiled again" warning
     compiled = torch.compile(step, backend="dsa_dcp", options={"dcp_size": 2, "merge": "a2a", "lowering": "fx"},
                              fullgraph=True)
     with pytest.warns(DCPCompileWarning) as caught:

@@ -8,9 +8,11 @@ rank:
    different lengths, once single-rank (eager, global KV cache, on this rank's GPU) and once as
    the DCP program; tokens must be identical and logits close; each rank's KV cache must hold
    ``ceil(S/N)`` rows;
-2. **step latency** — a decode step with CUDA graphs at each batch size, for each merge mode and
-   for DCP size 1 (this GPU alone), and its device time by kind of kernel (from graph replays
-   under the profiler, every rank's replay started together);
+2. **step latency** — a decode step with CUDA graphs at each batch size, for each merge mode with
+   each index cache (``replicated``: every rank scores every candidate; ``sharded``: each rank
+   scores its own and the group agrees on the top-k), and for DCP size 1 (this GPU alone), and
+   its device time by kind of kernel (from graph replays under the profiler, every rank's replay
+   started together);
 3. **merge per layer** — ``fused_a2a_merge`` (one kernel, symmetric memory) against pack +
    all_to_all + combine over NCCL, replayed from CUDA graphs.
 
@@ -48,6 +50,7 @@ class RunSpec:
     context: int = 4096
     tiny_only: bool = False
     lowering: str | None = None  # None: the backend's default (Inductor)
+    index_caches: tuple[str, ...] = ("replicated", "sharded")  # step latency: DCP rows for each
 
 
 _T0 = time.monotonic()
@@ -145,10 +148,13 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     _release_compiled()  # what an earlier part compiled
     for batch in spec.batches:
         inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, spec.device)
-        for merge in ("stock", "single") + spec.merges:
+        runs = [("stock", "replicated"), ("single", "replicated")] + \
+            [(merge, index_cache) for merge in spec.merges for index_cache in spec.index_caches]
+        for merge, index_cache in runs:
             n = 1 if merge in ("stock", "single") else world
-            _progress(f"step latency: batch {batch}, {merge}")
-            model = DSAModel(cfg, num_slots, dcp_size=n, dtype=torch.bfloat16, device=spec.device, seed=0)
+            _progress(f"step latency: batch {batch}, {merge}" + (f", {index_cache} index cache" if n > 1 else ""))
+            model = DSAModel(cfg, num_slots, dcp_size=n, dtype=torch.bfloat16, device=spec.device, seed=0,
+                             index_cache=index_cache)
             with torch.no_grad():
                 for cache in model.kv_caches() + list(model.index_caches().values()):
                     cache.normal_()
@@ -156,12 +162,12 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                     step = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
                 else:
                     options = {"batch_sizes": [batch]} if n == 1 else \
-                        {"dcp_size": n, "merge": merge, "batch_sizes": [batch]}
+                        {"dcp_size": n, "merge": merge, "batch_sizes": [batch], "index_cache": index_cache}
                     step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
                 step(*inputs)
                 us = _median_call_us(lambda: step(*inputs))
                 row = {"batch": batch, "merge": {"stock": "stock dcp1", "single": "dcp1"}.get(merge, merge), "N": n,
-                       "layers": spec.layers, "step_us": us}
+                       "index_cache": index_cache if n > 1 else "whole", "layers": spec.layers, "step_us": us}
                 if merge == "stock":
                     row |= _stock_kernel_split(model, inputs, host_barrier)
                 else:
@@ -290,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=RunSpec.steps, help="tokens each request generates (correctness)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--lowering", choices=["inductor", "fx"], help="correctness part (default: the backend's)")
+    p.add_argument("--index-caches", nargs="+", choices=["replicated", "sharded"], default=list(RunSpec.index_caches),
+                   help="step latency: the index caches of the DCP rows")
     p.add_argument("--json")
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
     args = p.parse_args(argv)
@@ -297,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     # A collective that waits this long fails the run instead of hanging it.
     rank, world = init_from_env("nccl" if args.device == "cuda" else "gloo", timeout=args.collective_timeout)
     spec = RunSpec(device=args.device, merges=tuple(args.merges), layers=args.layers, batches=tuple(args.batches),
-                   steps=args.steps, tiny_only=args.device == "cpu", lowering=args.lowering)
+                   steps=args.steps, tiny_only=args.device == "cpu", lowering=args.lowering,
+                   index_caches=tuple(args.index_caches))
     if args.device == "cuda":
         spec = dataclasses.replace(spec, device=f"cuda:{torch.cuda.current_device()}")
     written = {}

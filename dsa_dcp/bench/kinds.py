@@ -13,8 +13,9 @@ KERNEL_KINDS = (
     ("remap", ("topk_remap",)),
     ("combine", ("lse_combine",)),
     ("attention", ("sparse_mla",)),
-    ("indexer", ("index_scores", "topk_select", "gatherTopK", "radixSort", "radixFindKthValues",
-                 "computeBlockwiseWithinKCounts", "computeBlockwiseKthCounts", "gatherTopK")),
+    ("indexer", ("index_scores", "topk_select", "_topk_row_kernel", "_topk_pass_kernel", "_topk_write_kernel",
+                 "gatherTopK", "radixSort", "radixFindKthValues", "computeBlockwiseWithinKCounts",
+                 "computeBlockwiseKthCounts")),
 )
 
 # Copy bandwidth measured on the H200 (device-to-device, bytes read + written): the HBM floor.

@@ -18,6 +18,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from dsa_dcp.ops import FUSED_REMAPS
 from dsa_dcp.passes.graph import FUSED_MERGE, MERGE_TARGETS, TOPK_REMAP, alias_base, is_collective, \
     sparse_attention_nodes
 
@@ -133,7 +134,7 @@ def analyze(gm: fx.GraphModule, dcp_size: int, merge_mode: str | None, process_g
         topk = attn.args[3]
         remap = None
         if isinstance(topk, fx.Node) and topk.target is operator.getitem and isinstance(topk.args[0], fx.Node) \
-                and topk.args[0].target is TOPK_REMAP:
+                and (topk.args[0].target is TOPK_REMAP or topk.args[0].target in FUSED_REMAPS):
             remap = topk.args[0]
             topk = remap.args[0]
         base = alias_base(topk) if isinstance(topk, fx.Node) else topk

@@ -10,16 +10,17 @@ Per token, per layer (``kv_dim = Dc + Dr``, 576 for every real config):
 - ``bf16``: ``kv_dim`` two-byte values (1152 B); an index key is ``index_head_dim`` bf16 values
   (256 B), no scale.
 
-Under DCP every rank stores 1/N of the KV (``kv / N`` per token) and, because the index cache is
-replicated, all of the index keys: per rank ``kv / N + index`` bytes per token. A split index
-cache would need ``(kv + index) / N``. "Capacity the replicated index costs" is the ratio of the
-two minus one: how many more bytes each token takes, i.e. how many more tokens a split cache
-would hold (GLM-5.3, FP8: 5.8% at N=2, 17% at N=4, 41% at N=8).
+Under DCP every rank stores 1/N of the KV (``kv / N`` per token) and, with the replicated index
+cache (``index_cache="replicated"``, the default), all of the index keys: per rank
+``kv / N + index`` bytes per token. A split index cache (``index_cache="sharded"``) needs
+``(kv + index) / N``. "Capacity the replicated index costs" is the ratio of the two minus one: how
+many more bytes each token takes, i.e. how many more tokens a split cache holds (GLM-5.3, FP8:
+5.8% at N=2, 17% at N=4, 41% at N=8). The plan's per-rank figures follow its ``index_cache``.
 
 Tokens that fit count global slots, i.e. tokens of the whole group: with ``gpu_mem_gib`` GiB of
-cache memory per rank, ``floor(bytes / (kv / N + index))``; with ``slots`` S the plan gives the
-bytes each rank needs for S slots (``local_cache_rows(S, N, I)`` KV rows: ``ceil(S / N)`` when
-``I = 1``; S index rows).
+cache memory per rank, ``floor(bytes / per-rank bytes per token)``; with ``slots`` S the plan gives
+the bytes each rank needs for S slots (``local_cache_rows(S, N, I)`` KV rows: ``ceil(S / N)`` when
+``I = 1``; S index rows, or as many as the KV rows when sharded).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ class MemoryPlan:
     kv_bytes_per_token: int  # whole model, one copy
     index_bytes_per_token: int  # whole model, one copy
     kv_bytes_per_token_per_rank: float  # kv / N
-    index_bytes_per_token_per_rank: int  # replicated: all of it
-    bytes_per_token_per_rank: float  # kv / N + index
+    index_bytes_per_token_per_rank: float  # replicated: all of it; sharded: index / N
+    bytes_per_token_per_rank: float  # kv / N + index (sharded: (kv + index) / N)
     bytes_per_token_per_rank_split_index: float  # (kv + index) / N
     replicated_index_cost: float  # replicated / split - 1
     fixed_bytes_per_rank: int  # per-tensor scales (fp8)
@@ -58,6 +59,7 @@ class MemoryPlan:
     tokens_that_fit: int | None = None
     tokens_that_fit_split_index: int | None = None
     tokens_that_fit_one_rank: int | None = None  # N = 1: the whole cache on one device
+    index_cache: str = "replicated"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -65,6 +67,10 @@ class MemoryPlan:
     def rows(self) -> list[tuple[str, str]]:
         """``(label, value)`` lines for the text and HTML reports."""
         n = self.dcp_size
+        sharded = self.index_cache == "sharded"
+        index_share = f"({self.index_bytes_per_token:,} / {n}: sharded)" if sharded else "(replicated on every rank)"
+        formula = f"({self.kv_bytes_per_token:,} + {self.index_bytes_per_token:,})/{n}" if sharded else \
+            f"{self.kv_bytes_per_token:,}/{n} + {self.index_bytes_per_token:,}"
         out = [
             ("config / KV dtype / N", f"{self.config} / {self.kv_dtype} / {n}"),
             ("KV bytes per token per layer", f"{self.kv_bytes_per_token_layer}"
@@ -73,9 +79,8 @@ class MemoryPlan:
             ("KV bytes per token, whole model", f"{self.kv_bytes_per_token:,} ({self.layers} layers)"),
             ("index-key bytes per token, whole model", f"{self.index_bytes_per_token:,} ({self.indexer_layers} indexer layers)"),
             ("KV bytes per token per rank", f"{_num(self.kv_bytes_per_token_per_rank)} ({self.kv_bytes_per_token:,} / {n})"),
-            ("index-key bytes per token per rank", f"{self.index_bytes_per_token_per_rank:,} (replicated on every rank)"),
-            ("bytes per token per rank", f"{_num(self.bytes_per_token_per_rank)} "
-             f"(= {self.kv_bytes_per_token:,}/{n} + {self.index_bytes_per_token:,})"),
+            ("index-key bytes per token per rank", f"{_num(self.index_bytes_per_token_per_rank)} {index_share}"),
+            ("bytes per token per rank", f"{_num(self.bytes_per_token_per_rank)} (= {formula})"),
             ("  with a split index cache", f"{_num(self.bytes_per_token_per_rank_split_index)} "
              f"(= ({self.kv_bytes_per_token:,} + {self.index_bytes_per_token:,})/{n})"),
             ("capacity a replicated index cache costs", f"{100 * self.replicated_index_cost:.1f}% "
@@ -106,9 +111,10 @@ def index_bytes_per_layer(index_head_dim: int, kv_dtype: str) -> int:
 
 
 def memory_plan(config, kv_dtype: str = "bf16", dcp_size: int = 1, *, slots: int | None = None,
-                gpu_mem_gib: float | None = None, interleave: int = 1) -> MemoryPlan:
+                gpu_mem_gib: float | None = None, interleave: int = 1, index_cache: str = "replicated") -> MemoryPlan:
     """The plan for a ``DSAConfig`` (or a config name) under DCP of size ``dcp_size`` (``interleave``
-    slots kept together on one rank: a rank's cache for ``slots`` holds whole interleave blocks)."""
+    slots kept together on one rank: a rank's cache for ``slots`` holds whole interleave blocks),
+    with the index cache ``"replicated"`` or ``"sharded"``."""
     from dsa_dcp.models import get_config
 
     cfg = get_config(config) if isinstance(config, str) else config
@@ -118,25 +124,30 @@ def memory_plan(config, kv_dtype: str = "bf16", dcp_size: int = 1, *, slots: int
         raise ValueError(f"dcp_size must be an integer >= 1, got {dcp_size!r}")
     if slots is not None and gpu_mem_gib is not None:
         raise ValueError("give slots or gpu_mem_gib, not both")
+    if index_cache not in ("replicated", "sharded"):
+        raise ValueError(f"index_cache must be 'replicated' or 'sharded', got {index_cache!r}")
     n = dcp_size
+    sharded = index_cache == "sharded"
     kv_layer = kv_bytes_per_layer(cfg.kv_dim, kv_dtype)
     idx_layer = index_bytes_per_layer(cfg.index_head_dim, kv_dtype)
     kv = cfg.n_layers * kv_layer
     idx = len(cfg.indexer_layers) * idx_layer
-    per_rank = kv / n + idx
     split = (kv + idx) / n
+    per_rank = split if sharded else kv / n + idx
+    idx_per_rank = idx / n if sharded else idx
     fixed = FP8_SCALE_BYTES * cfg.n_layers if kv_dtype == "fp8" else 0
     plan = dict(
         config=cfg.name, kv_dtype=kv_dtype, dcp_size=n, layers=cfg.n_layers, indexer_layers=len(cfg.indexer_layers),
         kv_bytes_per_token_layer=kv_layer, index_bytes_per_token_layer=idx_layer, kv_bytes_per_token=kv,
-        index_bytes_per_token=idx, kv_bytes_per_token_per_rank=kv / n, index_bytes_per_token_per_rank=idx,
+        index_bytes_per_token=idx, kv_bytes_per_token_per_rank=kv / n, index_bytes_per_token_per_rank=idx_per_rank,
         bytes_per_token_per_rank=per_rank, bytes_per_token_per_rank_split_index=split,
-        replicated_index_cost=per_rank / split - 1, fixed_bytes_per_rank=fixed,
+        replicated_index_cost=(kv / n + idx) / split - 1, fixed_bytes_per_rank=fixed, index_cache=index_cache,
     )
     if slots is not None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
-        plan.update(slots=slots, bytes_per_rank_for_slots=local_cache_rows(slots, n, interleave) * kv + slots * idx + fixed)
+        rows = local_cache_rows(slots, n, interleave)
+        plan.update(slots=slots, bytes_per_rank_for_slots=rows * kv + (rows if sharded else slots) * idx + fixed)
     if gpu_mem_gib is not None:
         if gpu_mem_gib <= 0:
             raise ValueError(f"gpu_mem_gib must be > 0, got {gpu_mem_gib}")

@@ -51,7 +51,7 @@ def inspect(compiled: Any, *, config: Any = None, kv_dtype: str = "bf16", slots:
     plan = None
     if config is not None and (isinstance(config, str) or hasattr(config, "kv_dim")):
         plan = memory_plan(config, kv_dtype, report.options.dcp_size, slots=slots, gpu_mem_gib=gpu_mem_gib,
-                           interleave=report.options.interleave)
+                           interleave=report.options.interleave, index_cache=report.options.index_cache)
     if target is None:
         target = {"name": _describe(compiled), "how": "compiled by torch.compile in this process",
                   "process_group": report.process_group or "unknown"}

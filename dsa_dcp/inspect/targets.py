@@ -58,7 +58,8 @@ def fake_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def builtin_model(name: str, dcp_size: int, interleave: int = 1, rows: int = 4) -> tuple[Any, tuple, Any, str]:
+def builtin_model(name: str, dcp_size: int, interleave: int = 1, rows: int = 4, index_cache: str = "replicated"
+                  ) -> tuple[Any, tuple, Any, str]:
     """``(model, example_inputs, config, how)`` for a built-in config (see module docstring).
 
     A full-size model is built in bf16 (the serving dtype), so collective bytes are bf16 bytes; a
@@ -71,13 +72,13 @@ def builtin_model(name: str, dcp_size: int, interleave: int = 1, rows: int = 4) 
     pages = max(1, math.ceil(cfg.index_topk / cfg.page_size))
     inputs, num_slots = decode_step_inputs(cfg, rows, pages * cfg.page_size - 1, device)
     if tiny:
-        model = DSAModel(cfg, num_slots, dcp_size=dcp_size, interleave=interleave)
+        model = DSAModel(cfg, num_slots, dcp_size=dcp_size, interleave=interleave, index_cache=index_cache)
         how = (f"DSAModel({cfg.name}): {cfg.n_layers} layers, {len(cfg.indexer_layers)} with an indexer; "
                f"built on the CPU (tiny widths); one step of {rows} decode rows, top-k {cfg.index_topk}")
     else:
         with torch.device("meta"):
             model = _MetaDSAModel(cfg, num_slots, dcp_size=dcp_size, interleave=interleave, device="meta",
-                                  dtype=torch.bfloat16)
+                                  dtype=torch.bfloat16, index_cache=index_cache)
         how = (f"DSAModel({cfg.name}): {cfg.n_layers} layers, {len(cfg.indexer_layers)} with an indexer; "
                f"full size in bf16, built and traced on the meta device (no memory allocated, real shapes); "
                f"one step of {rows} decode rows, top-k {cfg.index_topk}")
@@ -163,7 +164,8 @@ def inspect_target(target: str, *, dcp_size: int = 2, merge: str = "a2a", interl
     from dsa_dcp.inspect.report import inspect
 
     if is_builtin(target):
-        model, inputs, cfg, how = builtin_model(target, dcp_size, interleave, rows)
+        model, inputs, cfg, how = builtin_model(target, dcp_size, interleave, rows,
+                                                (options or {}).get("index_cache", "replicated"))
     elif target.startswith(HF_PREFIX):
         model, inputs, cfg, how = hf_model(target, dcp_size, interleave, rows)
     else:

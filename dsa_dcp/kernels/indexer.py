@@ -39,6 +39,24 @@ page_size=1) -> (local[T, k] int32, count[T] int32)``
     position, tail ``-1``, and how many per row. One kernel: no ``[T, k]`` global top-k is
     written.
 
+The sharded index cache (each rank holds the index keys of the slots it owns; see the section at
+the end of this module):
+
+``index_scores(..., shard=(N, r, I))`` (the op ``index_scores_sharded``)
+    ``index_cache`` holds rank ``r``'s rows (``local_row(slot)``); a candidate is valid as above
+    and owned by ``r``; every other candidate is ``-inf``. Owned scores are bit-identical to the
+    replicated cache's (the same arithmetic on the same shapes, with the same keys).
+
+``topk_candidates(scores[T, C], k) -> [T, k, 2] int32``
+    ``topk_select``'s selection of the rank's scores as (fp32 score bits, candidate position)
+    pairs in ascending position, ``(-inf, -1)`` past the row's count: what a rank all-gathers.
+
+``topk_agree(gathered[N*T, k', 2], page_table, req_ids, page_size, k, N) -> topk[T, k] int32``
+and ``topk_agree_remap(..., N, r, I) -> (local, count)``
+    The ``k`` best of each row's ``N * k'`` gathered candidates in ``topk_select``'s order, as
+    global slots in ascending position (or, remapped, rank ``r``'s local rows): equal to
+    ``topk_select`` (``topk_select_remap``) over the whole scores.
+
 Tolerance of the scores: the kernel sums the products on tensor cores (bf16/fp16 operands are
 exact in the fp32 products, FP8 keys are widened exactly) in another order than the reference;
 ``|kernel - exact| <= 1e-5 * sum_h |w_h| * sum_d |q_hd * k_d|`` (one ulp of fp32 per term
@@ -53,6 +71,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from dsa_dcp.slots import local_row, owner
 
 from ._common import (
     TRITON_FLOAT_DTYPES,
@@ -151,16 +171,29 @@ def index_scores_reference(
     positions: torch.Tensor,
     page_size: int,
     compute_dtype: torch.dtype = torch.float32,
+    *,
+    shard: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """The model's composition (see module docstring): gather every candidate's key, einsum,
     relu, head-weighted einsum, mask. ``compute_dtype`` (fp32 as the model, fp64 for tests) is
-    the arithmetic precision; the result is float32. No host sync."""
+    the arithmetic precision; the result is float32. No host sync.
+
+    ``shard = (N, r, I)``: the sharded form (``index_scores_sharded``): ``index_cache`` holds rank
+    ``r``'s rows only, the candidates ``r`` owns are scored from their local rows and every other
+    candidate is ``-inf``. The same arithmetic on the same shapes, so an owned candidate's score is
+    bit-identical to the replicated cache's."""
     _check_scores(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size)
+    if shard is not None:
+        _check_remap_args(*shard, "index_scores_sharded")
     cand = candidate_slots(page_table, req_ids, page_size)  # [T, C]
     C = cand.shape[1]
     p = torch.arange(C, device=cand.device)
     valid = (p[None, :] <= positions.to(torch.int64)[:, None]) & (cand >= 0)
     rows = cand.clamp(min=0)
+    if shard is not None:
+        n, rank, interleave = shard
+        valid = valid & (owner(rows, n, interleave) == rank)
+        rows = torch.where(valid, local_row(rows, n, interleave), torch.zeros_like(rows))
     keys = index_cache[rows].to(compute_dtype)  # [T, C, Di]
     if key_scale is not None:
         scale = key_scale.to(compute_dtype)
@@ -193,7 +226,10 @@ def _index_scores_kernel(
     stride_k,
     stride_pt,
     stride_ot,
+    RANK,
     PAGE: tl.constexpr,
+    DCP_SIZE: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
     KEY_SCALE: tl.constexpr,
     Q_PRESCALE: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -209,6 +245,7 @@ def _index_scores_kernel(
     page table, one gathered [BLOCK_C, Di] key tile, ``k @ q^T`` on the tensor cores (keys as
     the MMA's wide side, heads its narrow one), relu and the head-weighted sum in registers.
     KEY_SCALE: 0 none, 1 per tensor, 2 per key row (applied to the products, before the relu).
+    DCP_SIZE > 1 (sharded cache): only the candidates rank RANK owns are valid, read at their local rows.
     """
     t = tl.program_id(0).to(tl.int64)
     c_lo = tl.program_id(1) * SPAN
@@ -238,7 +275,12 @@ def _index_scores_kernel(
         live = tl.where((req >= 0) & (req < R), live, False)
         page = tl.load(page_row + offs_c // PAGE, mask=live, other=-1).to(tl.int64)
         slot = page * PAGE + offs_c % PAGE
-        valid = live & (page >= 0) & (slot < S)
+        valid = live & (page >= 0)
+        if DCP_SIZE > 1:
+            keep, row = _owned(slot, DCP_SIZE, RANK, INTERLEAVE)
+            valid = valid & keep
+            slot = row
+        valid = valid & (slot < S)
         slot = tl.where(valid, slot, 0)
         k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=valid[:, None] & in_d[None, :], other=0.0)
         if UPCAST:
@@ -299,14 +341,20 @@ def index_scores_triton(
     span: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    shard: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Triton paged indexer scores (see module docstring); grid (T, ceil(C / span)).
 
     Reads the keys straight from the paged cache: no gathered copy, no fp32 keys, one pass.
     ``block_c`` candidates a tile (a power of two >= 16), ``span`` candidates a program (a
     multiple of ``block_c``). Any Hi and Di (padded to powers of two >= 16). No host sync.
+    ``shard = (N, r, I)``: the sharded form (see :func:`index_scores_reference`); only the owned
+    candidates' keys are read.
     """
     _check_scores(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size)
+    if shard is not None:
+        _check_remap_args(*shard, "index_scores_sharded")
+    dcp_size, rank, interleave = shard or (1, 0, 1)
     for name, t in (("q", q), ("w", w)):
         if t.dtype not in TRITON_FLOAT_DTYPES:
             raise ValueError(f"{_SCORES}: {name} dtype must be one of {list(TRITON_FLOAT_DTYPES)}, got {t.dtype}")
@@ -318,7 +366,8 @@ def index_scores_triton(
     if T == 0 or C == 0:
         return out
     if H == 0 or page_table.shape[0] == 0:  # no heads: 0 where valid; no pages: nothing valid
-        return out.fill_(0.0).masked_fill_(~_valid_mask(page_table, req_ids, positions, page_size), float("-inf"))
+        valid = _valid_mask(page_table, req_ids, positions, page_size, shard)
+        return out.fill_(0.0).masked_fill_(~valid, float("-inf"))
     check_launchable(_index_scores_kernel, q, w, index_cache, page_table)
     bc = block_c or (16 if q.device.type != "cuda" else 64)
     if bc < 16 or bc & (bc - 1):
@@ -336,8 +385,8 @@ def index_scores_triton(
     _index_scores_kernel[(T, cdiv(C, sp))](
         q, w, index_cache, ks, page_table, req_ids.contiguous(), positions.contiguous(), out,
         H, D, C, index_cache.shape[0], page_table.shape[0], sp, prescale,
-        q.stride(0), q.stride(1), w.stride(0), index_cache.stride(0), page_table.stride(0), out.stride(0),
-        PAGE=page_size, KEY_SCALE=key_scale_mode, Q_PRESCALE=prescale != 1.0, BLOCK_C=bc,
+        q.stride(0), q.stride(1), w.stride(0), index_cache.stride(0), page_table.stride(0), out.stride(0), rank,
+        PAGE=page_size, DCP_SIZE=dcp_size, INTERLEAVE=interleave, KEY_SCALE=key_scale_mode, Q_PRESCALE=prescale != 1.0, BLOCK_C=bc,
         BLOCK_H=max(16, next_pow2(H)), BLOCK_D=max(16, next_pow2(D)),
         DOT_DTYPE=dot_dtype, DOT_IEEE=dot_ieee, UPCAST=is_interpreted(_index_scores_kernel),
         num_warps=num_warps or 4, num_stages=num_stages or 2,
@@ -345,10 +394,14 @@ def index_scores_triton(
     return out
 
 
-def _valid_mask(page_table, req_ids, positions, page_size) -> torch.Tensor:
+def _valid_mask(page_table, req_ids, positions, page_size, shard=None) -> torch.Tensor:
     cand = candidate_slots(page_table, req_ids, page_size)
     p = torch.arange(cand.shape[1], device=cand.device)
-    return (p[None, :] <= positions.to(torch.int64)[:, None]) & (cand >= 0)
+    valid = (p[None, :] <= positions.to(torch.int64)[:, None]) & (cand >= 0)
+    if shard is not None:
+        n, rank, interleave = shard
+        valid = valid & (owner(cand.clamp(min=0), n, interleave) == rank)
+    return valid
 
 
 # =========================================================================== topk_select
@@ -831,3 +884,125 @@ def topk_select_remap_triton(
     _check_remap_args(dcp_size, rank, interleave, "topk_select_remap")
     return _launch_select(scores, k, page_table, req_ids, page_size, (dcp_size, rank, interleave),
                           chunks=chunks, block=block, num_warps=num_warps)  # fmt: skip
+
+
+# =========================================================================== the sharded index cache
+#
+# With ``index_cache="sharded"`` each rank holds the index keys of the slots it owns and scores only
+# those (``index_scores(..., shard=(N, r, I))``: the others are -inf). The group then agrees on the
+# global top-k: each rank sends its best k (score, candidate position) pairs (``topk_candidates``),
+# one all-gather brings every rank the N * k pairs of each row, and every rank picks the same k
+# from them (``topk_agree``). The order "larger score first, lower position first among equal
+# scores" (NaN largest, -0.0 == +0.0) is the one topk_select uses, and a candidate in the global
+# top k has fewer than k candidates before it, so fewer than k of its own rank's: it is in its
+# rank's best k. So the agreed set is exactly topk_select's over the replicated cache's scores.
+
+
+def _pack_candidates(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``[T, k, 2]`` int32: (fp32 score bits, candidate position) of the positions ``pos``
+    (``-1``: none, sent as ``(-inf, -1)``)."""
+    taken = pos >= 0
+    values = scores.to(torch.float32).gather(1, pos.clamp(min=0).to(torch.int64))
+    values = torch.where(taken, values, torch.full_like(values, float("-inf")))
+    return torch.stack([values.view(torch.int32), pos.to(torch.int32)], dim=-1)
+
+
+def topk_candidates_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """This rank's best ``k`` candidates of each row of its scores, as ``[T, k, 2]`` int32 pairs
+    (fp32 score bits, candidate position), in ascending position; ``(-inf, -1)`` past the row's
+    count. The selection is ``topk_select``'s (its tie rule). No host sync."""
+    return _pack_candidates(scores, topk_select_reference(scores, k))
+
+
+def topk_candidates_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`topk_candidates_reference` with the Triton radix select."""
+    return _pack_candidates(scores, topk_select_triton(scores, k))
+
+
+_INT32_MIN = -(2**31)
+_NEG_INF_BITS = -8388608  # float32 -inf (0xFF800000) read as int32
+
+
+def _check_agree(gathered, page_table, req_ids, page_size, k, dcp_size, op) -> None:
+    check_index(op, "gathered", gathered, 3)
+    _int_arg(op, "k", k, 0)
+    _int_arg(op, "dcp_size", dcp_size, 1)
+    if gathered.dtype != torch.int32 or gathered.shape[2] != 2 or gathered.shape[0] % dcp_size:
+        raise ValueError(f"{op}: gathered must be int32 [N * T, k_local, 2] with N = {dcp_size}, got "
+                         f"{gathered.dtype} {tuple(gathered.shape)}")
+    check_index(op, "page_table", page_table, 2)
+    check_index(op, "req_ids", req_ids, 1)
+    _int_arg(op, "page_size", page_size, 1)
+    if req_ids.shape[0] * dcp_size != gathered.shape[0]:
+        raise ValueError(f"{op}: req_ids must have T = {gathered.shape[0] // dcp_size} entries, got "
+                         f"{tuple(req_ids.shape)}")
+
+
+def _agreed_positions(gathered: torch.Tensor, dcp_size: int, k: int, C: int) -> torch.Tensor:
+    """``[T, k]`` int64: the positions of the global top k, ascending; ``C`` where there are fewer."""
+    NT, kk, _ = gathered.shape
+    T = NT // dcp_size
+    pairs = gathered.reshape(dcp_size, T, kk, 2).transpose(0, 1).reshape(T, dcp_size * kk, 2)
+    bits, pos = pairs[..., 0], pairs[..., 1].to(torch.int64)
+    bits = torch.where(bits == _INT32_MIN, torch.zeros_like(bits), bits)  # -0.0 ties with +0.0
+    # signed int32 whose order is the scores' (NaN largest), then unique keys: lower position first
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    order = torch.where((bits & 0x7FFFFFFF) > 0x7F800000, torch.full_like(order, 2**31 - 1), order)
+    taken = (pos >= 0) & (pos < C) & (bits != _NEG_INF_BITS)
+    key = order.to(torch.int64) * 2**32 + (2**31 - 1 - pos.clamp(0, C))
+    key = torch.where(taken, key, torch.full_like(key, -(2**63)))
+    n = min(k, dcp_size * kk)
+    top = torch.topk(key, n, dim=1).indices
+    chosen = torch.where(taken.gather(1, top), pos.gather(1, top), torch.full_like(top, C))
+    chosen = chosen.sort(dim=1).values
+    if n < k:
+        chosen = torch.cat([chosen, chosen.new_full((T, k - n), C)], dim=1)
+    return chosen
+
+
+def _slots_at(page_table: torch.Tensor, req_ids: torch.Tensor, page_size: int, pos: torch.Tensor) -> torch.Tensor:
+    """Global slots (int64) of candidate positions ``pos[T, k]``; ``-1`` for ``pos >= C``, a negative
+    page or a row without a request."""
+    R, MP = page_table.shape
+    C = MP * page_size
+    req = req_ids.to(torch.int64)
+    if R == 0 or C == 0:
+        return torch.full_like(pos, -1)
+    pages = page_table.to(torch.int64).index_select(0, req.clamp(0, R - 1))
+    safe = pos.clamp(0, C - 1)
+    page = pages.gather(1, safe // page_size)
+    ok = (pos < C) & (page >= 0) & (req >= 0)[:, None]
+    return torch.where(ok, page * page_size + safe % page_size, torch.full_like(pos, -1))
+
+
+def topk_agree_reference(gathered: torch.Tensor, page_table: torch.Tensor, req_ids: torch.Tensor, page_size: int,
+                         k: int, dcp_size: int) -> torch.Tensor:
+    """The group's top-k from every rank's ``topk_candidates`` (all-gathered: ``[N * T, k', 2]``, rank
+    r's rows at ``[r * T, (r + 1) * T)``): the ``k`` best of each row's ``N * k'`` candidates by
+    topk_select's order, as int32 global slots in ascending candidate position, ``-1`` tail —
+    ``topk_select`` of the whole scores when every rank sent its best ``k' >= k`` of a partition of
+    the candidates. Plain torch on ``N * k'`` entries a row; no host sync, static shapes."""
+    _check_agree(gathered, page_table, req_ids, page_size, k, dcp_size, "topk_agree")
+    C = page_table.shape[1] * page_size
+    pos = _agreed_positions(gathered, dcp_size, k, C)
+    return _slots_at(page_table, req_ids, page_size, pos).to(torch.int32)
+
+
+def topk_agree_remap_reference(gathered: torch.Tensor, page_table: torch.Tensor, req_ids: torch.Tensor,
+                               page_size: int, k: int, dcp_size: int, rank: int, interleave: int
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_remap(topk_agree(...), dcp_size, rank, interleave)`` without the global ``[T, k]`` slots
+    in between: the agreed slots rank ``rank`` owns, as local rows in ascending candidate position,
+    ``-1`` tail, and their count per row."""
+    _check_agree(gathered, page_table, req_ids, page_size, k, dcp_size, "topk_agree_remap")
+    _check_remap_args(dcp_size, rank, interleave, "topk_agree_remap")
+    C = page_table.shape[1] * page_size
+    pos = _agreed_positions(gathered, dcp_size, k, C)
+    slots = _slots_at(page_table, req_ids, page_size, pos)
+    safe = slots.clamp(min=0)
+    owned = (slots >= 0) & (owner(safe, dcp_size, interleave) == rank)
+    # positions are ascending and unique: sorting the owned ones' positions to the front compacts them in order
+    first, order = torch.where(owned, pos, torch.full_like(pos, C)).sort(dim=1)
+    rows = local_row(safe.gather(1, order), dcp_size, interleave)
+    local = torch.where(first < C, rows, torch.full_like(rows, -1)).to(torch.int32)
+    return local, owned.sum(dim=1, dtype=torch.int32)

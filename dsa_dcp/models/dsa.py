@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dsa_dcp.ops  # noqa: F401  (registers torch.ops.dsa_dcp.*)
-from dsa_dcp.kv_cache import allocate_kv_cache, kv_layout
+from dsa_dcp.kv_cache import allocate_index_cache, allocate_kv_cache, is_index_cache, kv_layout
 
 from .config import DSAConfig
 
@@ -87,8 +87,9 @@ class LightningIndexer(nn.Module):
     """DeepSeek-V3.2 lightning indexer: picks each row's top-k KV slots of its own request.
 
     ``score[t, p] = sum_h w[t, h] * relu(q[t, h] . k[slot(p)])`` over positions ``p <= pos[t]``
-    of row t's request; the keys are read from the replicated ``index_cache`` (written here for
-    this step's rows first, so a chunk sees its own earlier rows). Candidates span the full
+    of row t's request; the keys are read from ``index_cache`` (written here for this step's rows
+    first, so a chunk sees its own earlier rows; the code reads it as the whole cache, which a
+    sharded one is not: the ``indexer_kernels`` pass and ``index_cache="sharded"`` replace it). Candidates span the full
     per-request capacity ``max_pages * P`` (static shape). Returns int32 ``[T, K]`` global slots,
     ``K = min(index_topk, max_pages * P)``, best first, ``-1`` where the row has < K candidates.
     """
@@ -221,7 +222,10 @@ class DSAModel(nn.Module):
     holds only the ``local_cache_rows(S, N, I)`` rows it owns and the backend can read the layout
     off the tensor (``dcp_size=1``: the global cache). ``kv_rows`` instead gives a raw cache of
     that many rows with no recorded layout (an escape hatch; the DCP backend refuses it). The
-    index-key caches are always global ``[S, index_head_dim]`` (replicated under DCP).
+    index-key caches (``dsa_dcp.kv_cache.allocate_index_cache``) are global ``[S, index_head_dim]``
+    with ``index_cache="replicated"`` (every rank holds every key), or, with
+    ``index_cache="sharded"``, this rank's ``local_cache_rows(S, N, I)`` rows like the KV caches
+    (compile with the same ``index_cache`` option).
 
     Weights are drawn on the CPU from ``seed`` (the same values on every device), then
     cast/moved; caches are allocated directly at ``dtype``/``device``. ``model.to(...)`` keeps
@@ -233,7 +237,7 @@ class DSAModel(nn.Module):
 
     def __init__(self, cfg: DSAConfig, num_slots: int, *, kv_rows: int | None = None, dcp_size: int = 1,
                  interleave: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 seed: int = 0) -> None:
+                 seed: int = 0, index_cache: str = "replicated") -> None:
         super().__init__()
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -249,7 +253,7 @@ class DSAModel(nn.Module):
                              persistent=False)
         self.register_buffer("index_rope_inv_freq", rope_inv_freq(cfg.index_rope_dim, cfg.rope_theta).to(device),
                              persistent=False)
-        self.allocate_caches(dcp_size=dcp_size, interleave=interleave, kv_rows=kv_rows)
+        self.allocate_caches(dcp_size=dcp_size, interleave=interleave, kv_rows=kv_rows, index_cache=index_cache)
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
@@ -267,9 +271,13 @@ class DSAModel(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * fan_in**-0.5)
 
     # ------------------------------------------------------------------ caches
-    def allocate_caches(self, *, dcp_size: int = 1, interleave: int = 1, kv_rows: int | None = None) -> None:
+    def allocate_caches(self, *, dcp_size: int = 1, interleave: int = 1, kv_rows: int | None = None,
+                        index_cache: str = "replicated") -> None:
         """(Re)allocate every cache, zeroed, at the model's dtype/device (see class docstring)."""
+        if index_cache not in ("replicated", "sharded"):
+            raise ValueError(f"index_cache must be 'replicated' or 'sharded', got {index_cache!r}")
         self.dcp_size = dcp_size if kv_rows is None else 1
+        self.index_cache = index_cache
         ref = self.embed
         for layer in self.layers:
             attn = layer.attn
@@ -279,19 +287,29 @@ class DSAModel(nn.Module):
             else:
                 attn.kv_cache = torch.zeros(kv_rows, self.cfg.kv_dim, dtype=ref.dtype, device=ref.device)
             if attn.indexer is not None:
-                attn.indexer.index_cache = torch.zeros(self.num_slots, self.cfg.index_head_dim,
-                                                       dtype=ref.dtype, device=ref.device)
+                attn.indexer.index_cache = allocate_index_cache(
+                    self.num_slots, self.cfg.index_head_dim, dcp_size=dcp_size, interleave=interleave,
+                    sharded=index_cache == "sharded", dtype=ref.dtype, device=ref.device)
 
     def _apply(self, fn, recurse=True):
-        # A move/cast makes new cache tensors; keep their recorded KV layouts.
-        layouts = [kv_layout(c) for c in self.kv_caches()] if hasattr(self, "layers") else []
+        # A move/cast makes new cache tensors; keep their recorded KV layouts and index-cache marks.
+        owners = [(layer.attn, "kv_cache") for layer in self.layers] + \
+            [(layer.attn.indexer, "index_cache") for layer in self.layers if layer.attn.indexer is not None] \
+            if hasattr(self, "layers") else []
+        before = [(kv_layout(getattr(m, name)), is_index_cache(getattr(m, name))) for m, name in owners]
         out = super()._apply(fn, recurse)
-        for layer, layout in zip(self.layers, layouts):
-            cache = layer.attn.kv_cache
-            if layout is not None and kv_layout(cache) is None:
+        for (module, name), (layout, index) in zip(owners, before):
+            cache = getattr(module, name)
+            if (layout is None or kv_layout(cache) is not None) and (not index or is_index_cache(cache)):
+                continue
+            if index:
+                fresh = allocate_index_cache(self.num_slots, cache.shape[1], dcp_size=getattr(layout, "dcp_size", 1),
+                                             interleave=getattr(layout, "interleave", 1), sharded=layout is not None,
+                                             dtype=cache.dtype, device=cache.device)
+            else:
                 fresh = allocate_kv_cache(layout.num_slots, cache.shape[1], dcp_size=layout.dcp_size,
                                           interleave=layout.interleave, dtype=cache.dtype, device=cache.device)
-                layer.attn.kv_cache = fresh.copy_(cache)
+            setattr(module, name, fresh.copy_(cache))
         if hasattr(self, "rope_inv_freq"):  # rope tables stay fp32 whatever the model dtype
             dev = self.rope_inv_freq.device
             self.rope_inv_freq = rope_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta).to(dev)

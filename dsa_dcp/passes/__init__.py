@@ -1,10 +1,11 @@
 """The pass list, in one place. Each pass is one module of this package.
 
-A pipeline has two phases. ``normalize`` passes bring the graph to the op vocabulary (one
-spelling of every op call; attention and caches as models written elsewhere spell them), each
-checked and then run in turn, so the rewrite passes' checks see only the vocabulary; ``rewrite``
-passes are all checked before any of them runs (``DCPPass.check`` returns the plan ``run`` carries
-out), so a refused graph is left untouched.
+A pipeline has two phases. ``normalize`` passes bring the graph to the op vocabulary and change
+no value beyond floating-point reassociation and the indexer's documented tie rule: one spelling of
+every ``dsa_dcp`` op call, attention and caches as models written elsewhere spell them, the model's
+indexer as ``index_scores`` + ``topk_select``. Each is checked, then run, in turn, so the rewrite
+passes' checks see only the vocabulary. ``rewrite`` passes are all checked before any of them runs
+(``DCPPass.check`` returns the plan ``run`` carries out), so a refused graph is left untouched.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import dataclasses
 from dsa_dcp.passes.base import CompileContext, DCPPass
 from dsa_dcp.passes.canonicalize import Canonicalize
 from dsa_dcp.passes.dcp_rewrite import DCPRewrite
+from dsa_dcp.passes.fuse_remaps import FuseRemaps
+from dsa_dcp.passes.index_cache import IndexCache
+from dsa_dcp.passes.indexer import IndexerKernels
 from dsa_dcp.passes.kv_writes import LocalizeKVWrites
 from dsa_dcp.passes.recognize_attention import RecognizeSparseAttention
 from dsa_dcp.passes.share_remaps import ShareRemaps
@@ -33,14 +37,16 @@ class Pipeline:
 
 
 def build_pipeline(ctx: CompileContext) -> Pipeline:
-    """The ordered passes for these options (none when ``dcp_size == 1``: the graph is kept)."""
+    """The ordered passes for these options (at ``dcp_size == 1`` only the indexer's kernels)."""
+    indexer: list[DCPPass] = [IndexerKernels()] if ctx.options.indexer_kernels else []
     if ctx.dcp_size == 1:
-        return Pipeline([], [])
-    rewrite: list[DCPPass] = [LocalizeKVWrites(), DCPRewrite()]
+        return Pipeline(indexer, [])
+    rewrite: list[DCPPass] = [IndexCache(), LocalizeKVWrites(), DCPRewrite()]
     if ctx.options.share_remaps:
         rewrite.append(ShareRemaps())
     normalize: list[DCPPass] = [Canonicalize()]
     if any(isinstance(x, PositionShardedCache) for x in ctx.example_inputs):
         # models written elsewhere: dense top-k-masked attention over position caches (docs/models.md)
         normalize.append(RecognizeSparseAttention())
-    return Pipeline(normalize, rewrite)
+    rewrite.append(FuseRemaps())
+    return Pipeline(normalize + indexer, rewrite)

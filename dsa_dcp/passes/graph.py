@@ -12,7 +12,8 @@ import torch
 import torch.fx as fx
 
 from dsa_dcp import merge
-from dsa_dcp.ops import C10D, FUSED_A2A_MERGE, KV_STORE, LSE_COMBINE, SPARSE_ATTENTION_OPS, TOPK_REMAP
+from dsa_dcp.ops import C10D, FUSED_A2A_MERGE, FUSED_REMAPS, KV_STORE, LSE_COMBINE, SPARSE_ATTENTION_OPS, \
+    TOPK_REMAP
 from dsa_dcp.ops_positions import POSITION_STORE
 
 log = logging.getLogger("dsa_dcp.passes")
@@ -96,7 +97,7 @@ def node_kind(node: fx.Node) -> str | None:
         return None
     if node.target in SPARSE_ATTENTION_OPS:
         return "sparse_attention"
-    if node.target is TOPK_REMAP:
+    if node.target is TOPK_REMAP or node.target in FUSED_REMAPS:  # a remap fused with its selection counts
         return "topk_remap"
     if node.target is KV_STORE or node.target is POSITION_STORE:
         return "kv_write"

@@ -8,7 +8,9 @@ Leaves: every write into those caches is ``kv_store(cache, localize_slots(slots)
 one ``localize_slots`` node per slots tensor shared by all the layers that write through it —
 ``kv_store`` nodes get localized slots, and plain ``index_put_`` / ``index_copy_`` / ``cache[s] = x``
 writes become ``kv_store`` (negative slots then mean "no slot"). Index-key caches (no recorded
-layout, read by no attention node) stay replicated and untouched. ``check`` refuses a cache of the
+layout, read by no attention node) stay replicated and untouched; a sharded one
+(``index_cache="sharded"``) has a layout, is read by ``index_scores`` (``passes/index_cache.py``
+shards those reads) and has its writes localized here. ``check`` refuses a cache of the
 wrong size or unknown layout, and any other write or read of a KV cache it cannot localize;
 ``cache_layout_problems`` is the part of it that holds at every ``dcp_size`` (a cache allocated for
 a DCP group and compiled without its options is refused too).
@@ -23,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from dsa_dcp.kv_cache import kv_layout
-from dsa_dcp.ops import KV_STORE, SPARSE_ATTENTION_OPS
+from dsa_dcp.ops import INDEX_SCORES, KV_STORE, SPARSE_ATTENTION_OPS
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
 from dsa_dcp.passes.graph import Emitter, alias_base, placeholder_values, sparse_attention_nodes
@@ -107,7 +109,7 @@ class LocalizeKVWrites(DCPPass):
         for base in caches:
             plan.problems += _layout_problems(base, inputs.get(base), ctx.dcp_size, ctx.options.interleave)
             for user in base.users:
-                if _is_attention_read(user, base):
+                if _is_attention_read(user, base) or _is_index_read(user, base):
                     continue
                 if _is_localizable_write(user, base):
                     plan.writes.append((user, base, *_write_slots_and_rows(user)))
@@ -141,6 +143,12 @@ class LocalizeKVWrites(DCPPass):
 
 def _is_attention_read(user: fx.Node, base: fx.Node) -> bool:
     return user.op == "call_function" and user.target in SPARSE_ATTENTION_OPS and user.args[2] is base \
+        and base not in user.args[:2] + user.args[3:]
+
+
+def _is_index_read(user: fx.Node, base: fx.Node) -> bool:
+    """The indexer's scores reading a sharded index cache (the index_cache pass shards the read)."""
+    return user.op == "call_function" and user.target is INDEX_SCORES and user.args[2] is base \
         and base not in user.args[:2] + user.args[3:]
 
 
