@@ -188,7 +188,7 @@ def _problems(model_or_fn, inputs, options):
     from dsa_dcp.validate import DCPValidationError
 
     torch._dynamo.reset()
-    with fake_group(2), pytest.raises(Exception) as err:
+    with fake_group(2), torch.no_grad(), pytest.raises(Exception) as err:
         torch.compile(model_or_fn, backend="dsa_dcp", options={"lowering": "fx", **options}, fullgraph=True)(*inputs)
     cause = err.value
     while cause is not None and not isinstance(cause, DCPValidationError):
