@@ -59,12 +59,12 @@ def _relative_error(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+# The FX lowering is the debugging option: long schedules at N = 2 for both families and the
+# interleaved layouts; the default lowering's cases below cover N = 3 and 4 with every merge.
 CASES = [
     ("glm5.2-tiny", 2, ("ag", "a2a", "ag_rs", "fused_a2a"), 1),
     ("deepseek-v3.2-tiny", 2, ("ag", "a2a", "ag_rs", "fused_a2a"), 1),
-    ("glm5.2-tiny", 3, ("ag", "a2a"), 1),  # 4 heads: a2a cannot shard them over 3 ranks
     ("deepseek-v3.2-tiny", 3, ("ag",), 2),
-    ("glm5.2-tiny", 4, ("ag", "a2a", "ag_rs", "fused_a2a"), 1),
     ("deepseek-v3.2-tiny", 4, ("a2a", "ag_rs", "fused_a2a"), 2),
 ]
 
