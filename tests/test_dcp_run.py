@@ -1,12 +1,29 @@
 """The several-GPU run script, exercised on gloo CPU ranks (its correctness part)."""
 
-from dsa_dcp.bench.dcp_run import RunSpec, check_correctness
+from dsa_dcp.bench.dcp_run import RunSpec, check_correctness, check_transformers
 from dsa_dcp.launch import run_on_ranks
 
 
 def _rank(rank, world):
     return list(check_correctness(rank, world, RunSpec(device="cpu", merges=("fused_a2a",), steps=4, tiny_only=True,
                                                        lowering="fx")))
+
+
+def _hf_rank(rank, world):
+    spec = RunSpec(device="cpu", merges=("fused_a2a",), steps=3, tiny_only=True, lowering="fx")
+    return list(check_transformers(rank, world, spec))
+
+
+def test_run_script_transformers_part_on_cpu_ranks():
+    """transformers' models under DCP against one rank, as the several-GPU run checks them."""
+    for rows in run_on_ranks(_hf_rank, 2):
+        assert [(r["model"], r["merge"]) for r in rows] == [
+            (m, "fused_a2a") for m in ("deepseek_v32", "glm_moe_dsa")]
+        for r in rows:
+            assert r["dtype"] == "float32" and r["N"] == 2
+            assert r["tokens_match"], r
+            assert r["rel_logit_err"] < 1e-5, r
+            assert len(r["tokens"]) == 3 and all(len(t) == 3 for t in r["tokens"])
 
 
 def test_run_script_correctness_part_on_cpu_ranks():

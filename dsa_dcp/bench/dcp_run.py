@@ -14,13 +14,16 @@ rank:
    its device time by kind of kernel (from graph replays under the profiler, every rank's replay
    started together);
 3. **merge per layer** — ``fused_a2a_merge`` (one kernel, symmetric memory) against pack +
-   all_to_all + combine over NCCL, replayed from CUDA graphs.
+   all_to_all + combine over NCCL, replayed from CUDA graphs;
+4. **transformers** — transformers' ``GlmMoeDsaForCausalLM`` and ``DeepseekV32ForCausalLM``,
+   unmodified (tiny random weights), compiled in place and run by ``model.generate`` on a
+   ``DCPStaticCache``, against the same model on this rank's device alone (bf16 and fp32 on a GPU).
 
 Rank 0 prints each row as it is measured (and timestamped progress on stderr), rewrites the JSON
 (``--json``) after every row, and prints the tables at the end. ``--parts`` picks parts (on two
 H200s correctness took about 5 minutes and step latency about 20 s per compiled step, so a
-device call with a 10-minute limit takes one part). ``--device cpu`` runs part 1 on gloo CPU
-ranks with tiny models (how the script itself is tested in CI).
+device call with a 10-minute limit takes one part). ``--device cpu`` runs parts 1 and 4 on gloo
+CPU ranks with tiny models (how the script itself is tested in CI).
 """
 
 from __future__ import annotations
@@ -135,6 +138,58 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                     row["fused_kernel"] = fused_merge.has_workspace(dist.group.WORLD.group_name)
                 yield row
                 del model, step
+
+
+HF_PROMPT_LENS = (5, 17, 40)  # left-padded, as transformers' generate expects
+HF_CACHE_LEN = 64  # the tiny models' max_position_embeddings
+
+
+def _hf_generate(model, dcp_size: int, steps: int, device: str, dtype: torch.dtype):
+    """Greedy ``model.generate`` over three requests on a ``DCPStaticCache``: tokens and the logits."""
+    from dsa_dcp.integrations.transformers import DCPStaticCache
+
+    gen = torch.Generator().manual_seed(1)
+    width = max(HF_PROMPT_LENS)
+    ids = torch.randint(1, model.config.vocab_size, (len(HF_PROMPT_LENS), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(HF_PROMPT_LENS):
+        mask[i, width - n:] = 1
+    cache = DCPStaticCache(model.config, max_cache_len=HF_CACHE_LEN, batch_size=len(HF_PROMPT_LENS),
+                           dcp_size=dcp_size, dtype=dtype, device=device)
+    with torch.no_grad():
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), past_key_values=cache,
+                             max_new_tokens=steps, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    return out.sequences[:, width:].tolist(), torch.stack(out.logits).float().cpu()
+
+
+def check_transformers(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
+    """transformers' DSA models, unmodified (tiny random weights, 4 layers): ``generate`` with the
+    model compiled in place under DCP against the same model on this rank's device alone (eager,
+    whole cache), in bf16 on a GPU and in fp32 everywhere, for each merge mode."""
+    from dsa_dcp.integrations.transformers import TINY_MODEL_TYPES, tiny_model
+
+    on_cuda = torch.device(spec.device).type == "cuda"
+    dtypes = (torch.bfloat16, torch.float32) if on_cuda else (torch.float32,)
+    for model_type in TINY_MODEL_TYPES:
+        for dtype in dtypes:
+            _progress(f"transformers {model_type} {dtype}: single-device reference")
+            single = tiny_model(model_type, layers=4).to(device=spec.device, dtype=dtype)
+            heads = single.config.num_attention_heads
+            ref_tokens, ref_logits = _hf_generate(single, 1, spec.steps, spec.device, dtype)
+            del single
+            for merge in spec.merges:
+                if heads % world and merge != "ag":
+                    continue  # the head-sharded merges need the heads divisible by the group
+                _progress(f"transformers {model_type} {dtype}: {merge} over {world} ranks")
+                torch._dynamo.reset()
+                model = tiny_model(model_type, layers=4).to(device=spec.device, dtype=dtype)
+                model.compile(backend="dsa_dcp", fullgraph=True, options={
+                    "dcp_size": world, "merge": merge, **({"lowering": spec.lowering} if spec.lowering else {})})
+                tokens, logits = _hf_generate(model, world, spec.steps, spec.device, dtype)
+                yield {"model": model_type, "dtype": str(dtype).removeprefix("torch."), "merge": merge, "N": world,
+                       "tokens_match": tokens == ref_tokens,
+                       "rel_logit_err": _relative_error(logits, ref_logits), "tokens": tokens}
+                del model
 
 
 def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
@@ -254,7 +309,7 @@ def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: in
         yield row
 
 
-PARTS = ("correctness", "latency", "merge")
+PARTS = ("correctness", "latency", "merge", "transformers")
 
 
 def run(rank: int, world: int, spec: RunSpec, parts: tuple[str, ...] = PARTS, report=None) -> dict:
@@ -264,7 +319,8 @@ def run(rank: int, world: int, spec: RunSpec, parts: tuple[str, ...] = PARTS, re
     on_cuda = torch.device(spec.device).type == "cuda"
     steps = [("correctness", check_correctness, "correctness" in parts),
              ("step_latency", step_latency, on_cuda and "latency" in parts),
-             ("merge_per_layer", merge_per_layer, on_cuda and "merge" in parts and "fused_a2a" in spec.merges)]
+             ("merge_per_layer", merge_per_layer, on_cuda and "merge" in parts and "fused_a2a" in spec.merges),
+             ("transformers", check_transformers, "transformers" in parts)]
     for name, fn, wanted in steps:
         if wanted:
             results[name] = []
