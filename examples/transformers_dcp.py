@@ -20,20 +20,15 @@ PROMPT_LENS = (3, 5, 7)  # three requests of different lengths, left-padded as g
 
 
 def generate(model, dcp_size: int, new_tokens: int):
-    from dsa_dcp.integrations.transformers import DCPStaticCache
+    from dsa_dcp.integrations.transformers import DCPStaticCache, left_padded_prompts
 
-    gen = torch.Generator().manual_seed(1)
-    width = max(PROMPT_LENS)
-    ids = torch.randint(1, model.config.vocab_size, (len(PROMPT_LENS), width), generator=gen)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(PROMPT_LENS):
-        mask[i, width - n:] = 1
+    ids, mask = left_padded_prompts(PROMPT_LENS, model.config.vocab_size)
     # every rank allocates 1/N of the K/V positions; the indexer's keys stay whole on every rank
     cache = DCPStaticCache(model.config, max_cache_len=12, batch_size=len(PROMPT_LENS), dcp_size=dcp_size)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
                              do_sample=False)
-    return out[:, width:].tolist()
+    return out[:, ids.shape[1]:].tolist()
 
 
 def rank_main(rank, world, model_type, merge, new_tokens):

@@ -39,20 +39,15 @@ def hf_model(family: str, attn: str):
 
 
 def hf_generate(model, dcp_size: int):
-    from dsa_dcp.integrations.transformers import DCPStaticCache
+    from dsa_dcp.integrations.transformers import DCPStaticCache, left_padded_prompts
 
-    gen = torch.Generator().manual_seed(1)
-    width = max(PROMPT_LENS)
-    ids = torch.randint(1, 64, (len(PROMPT_LENS), width), generator=gen)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(PROMPT_LENS):  # left padding, as generate expects
-        mask[i, width - n:] = 1
+    ids, mask = left_padded_prompts(PROMPT_LENS, model.config.vocab_size)
     cache = DCPStaticCache(model.config, max_cache_len=MAX_LEN, batch_size=len(PROMPT_LENS), dcp_size=dcp_size)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW_TOKENS,
                              do_sample=False, return_dict_in_generate=True, output_logits=True)
     caches = [(layer.keys, layer.values) for layer in cache.layers]
-    return out.sequences[:, width:].tolist(), [x.float() for x in out.logits], caches
+    return out.sequences[:, ids.shape[1]:].tolist(), [x.float() for x in out.logits], caches
 
 
 def plain_model(dcp_size: int):

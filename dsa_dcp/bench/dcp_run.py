@@ -97,6 +97,7 @@ def _median_call_us(fn, groups: int = 7, calls_per_group: int = _CALLS_PER_GROUP
 
 def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     from dsa_dcp.kernels import fused_merge
+    from dsa_dcp.merge import MERGES
     from dsa_dcp.models import DSAModel, generate, get_config, make_requests, standard_test_batch
     from dsa_dcp.slots import local_cache_rows
 
@@ -118,7 +119,7 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
             ref = generate(single, batch, spec.steps, pad_to=pad, device=spec.device)
             del single
             for merge in spec.merges:
-                if cfg.n_heads % world and merge != "ag":
+                if cfg.n_heads % world and MERGES[merge].head_sharded:
                     continue
                 _progress(f"{label}: {merge} over {world} ranks")
                 torch._dynamo.reset()
@@ -146,20 +147,15 @@ HF_CACHE_LEN = 64  # the tiny models' max_position_embeddings
 
 def _hf_generate(model, dcp_size: int, steps: int, device: str, dtype: torch.dtype):
     """Greedy ``model.generate`` over three requests on a ``DCPStaticCache``: tokens and the logits."""
-    from dsa_dcp.integrations.transformers import DCPStaticCache
+    from dsa_dcp.integrations.transformers import DCPStaticCache, left_padded_prompts
 
-    gen = torch.Generator().manual_seed(1)
-    width = max(HF_PROMPT_LENS)
-    ids = torch.randint(1, model.config.vocab_size, (len(HF_PROMPT_LENS), width), generator=gen)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(HF_PROMPT_LENS):
-        mask[i, width - n:] = 1
+    ids, mask = left_padded_prompts(HF_PROMPT_LENS, model.config.vocab_size)
     cache = DCPStaticCache(model.config, max_cache_len=HF_CACHE_LEN, batch_size=len(HF_PROMPT_LENS),
                            dcp_size=dcp_size, dtype=dtype, device=device)
     with torch.no_grad():
         out = model.generate(ids.to(device), attention_mask=mask.to(device), past_key_values=cache,
                              max_new_tokens=steps, do_sample=False, return_dict_in_generate=True, output_logits=True)
-    return out.sequences[:, width:].tolist(), torch.stack(out.logits).float().cpu()
+    return out.sequences[:, ids.shape[1]:].tolist(), torch.stack(out.logits).float().cpu()
 
 
 def check_transformers(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
@@ -167,6 +163,7 @@ def check_transformers(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     model compiled in place under DCP against the same model on this rank's device alone (eager,
     whole cache), in bf16 on a GPU and in fp32 everywhere, for each merge mode."""
     from dsa_dcp.integrations.transformers import TINY_MODEL_TYPES, tiny_model
+    from dsa_dcp.merge import MERGES
 
     on_cuda = torch.device(spec.device).type == "cuda"
     dtypes = (torch.bfloat16, torch.float32) if on_cuda else (torch.float32,)
@@ -178,7 +175,7 @@ def check_transformers(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
             ref_tokens, ref_logits = _hf_generate(single, 1, spec.steps, spec.device, dtype)
             del single
             for merge in spec.merges:
-                if heads % world and merge != "ag":
+                if heads % world and MERGES[merge].head_sharded:
                     continue  # the head-sharded merges need the heads divisible by the group
                 _progress(f"transformers {model_type} {dtype}: {merge} over {world} ranks")
                 torch._dynamo.reset()

@@ -34,7 +34,7 @@ try:
 except ImportError as e:  # pragma: no cover - the optional extra
     raise ImportError("dsa_dcp.integrations.transformers needs transformers: pip install 'dsa-dcp[hf]'") from e
 
-__all__ = ["DCPStaticCache", "cache_dims", "tiny_model", "TINY_MODEL_TYPES"]
+__all__ = ["DCPStaticCache", "cache_dims", "left_padded_prompts", "tiny_model", "TINY_MODEL_TYPES"]
 
 TINY_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
@@ -65,6 +65,18 @@ def tiny_model(model_type: str, *, attn_implementation: str = "eager", layers: i
     cfg._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     return cls(cfg).eval()
+
+
+def left_padded_prompts(lengths, vocab_size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of the given lengths as ``generate`` takes them: ``input_ids`` and
+    ``attention_mask`` ``[len(lengths), max(lengths)]``, each prompt left-padded (mask 0 before it)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(1, vocab_size, (len(lengths), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, width - n:] = 1
+    return ids, mask
 
 
 def cache_dims(config) -> dict:
