@@ -24,6 +24,10 @@ The rules (``docs/validation.md`` lists each with its message):
   interleave_page  ``interleave`` divides ``page_size`` (when the page size is given)
   merge_device     ``fused_a2a`` on CUDA needs symmetric memory for the group (or a workspace)
   cuda_graphs      CUDA graphs are not requested for a step that runs on the CPU
+  graph_capture    a CUDA step of a group whose collectives a CUDA graph cannot capture (gloo) is
+                   compiled with ``cuda_graphs=False``
+  host_gather      after the rewrite: no all-gather of CUDA tensors over a gloo group (gloo's
+                   all-gather of CUDA tensors crashes the process); ``host_collective_problems``
   debug_checks     run-time debug checks only with the FX lowering and without CUDA graphs
 Warnings (shown once per compilation): a layer whose epilogue a head-sharded merge cannot shard
 merges with ``ag``; a DCP compilation of a graph with no sparse attention and no KV cache.
@@ -40,6 +44,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from dsa_dcp.lowering import runs_on_cuda
+from dsa_dcp.ops import C10D
 from dsa_dcp.passes import Pipeline
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.graph import sparse_attention_nodes
@@ -75,6 +80,10 @@ def validate(gm: fx.GraphModule, ctx: CompileContext, pipeline: Pipeline
     if ctx.dcp_size == 1:
         return {}, problems, []
     problems += group_agreement_problems(gm, ctx)  # first, so no peer waits on a rank that refuses
+    if on_cuda and opts.cuda_graphs is not False and ctx.group_name is not None:
+        problem = graph_capture_problem(_group_backend(ctx.group_name))
+        if problem:
+            problems.append(problem)
     if opts.page_size is not None and opts.page_size % opts.interleave:
         problems.append(f"interleave={opts.interleave} must divide page_size={opts.page_size}: a page's tokens "
                         f"are spread over the ranks in whole interleave blocks")
@@ -91,6 +100,46 @@ def validate(gm: fx.GraphModule, ctx: CompileContext, pipeline: Pipeline
         problems += plan.problems
         warnings += plan.warnings
     return plans, grouped(problems), grouped(warnings)
+
+
+# Backends whose collectives a CUDA graph can capture (a fake group's do nothing on the device).
+CAPTURABLE_BACKENDS = ("nccl", "fake")
+
+
+def _group_backend(group_name: str) -> str:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_backend(_resolve_process_group(group_name))
+
+
+def graph_capture_problem(backend: str) -> str | None:
+    """Why a CUDA graph cannot capture the collectives of a group with this backend (``None`` when
+    it can). gloo runs a CUDA tensor's collective on the host (copies to and from host memory and a
+    wait on the stream), which a capture refuses; one rank failing its capture would leave its
+    peers waiting inside the collective."""
+    if backend in CAPTURABLE_BACKENDS:
+        return None
+    return (f"the DCP group's backend is {backend!r}: its collectives on CUDA tensors go through the host, "
+            f"and a CUDA graph cannot capture them; compile with cuda_graphs=False (the step then runs "
+            f"without graphs), or use an NCCL group (one GPU per rank) for CUDA graphs")
+
+
+def host_collective_problems(gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
+    """Run on the rewritten graph: the collectives its gloo group cannot run on CUDA tensors.
+    gloo's all-gather of CUDA tensors ends the process with a segmentation fault (torch 2.11, on an
+    H200: the functional ``all_gather_into_tensor`` of a float32 tensor, two ranks), so a step that
+    would all-gather (``merge='ag'`` or ``'ag_rs'``, a layer merged with ``ag``, the sharded index
+    cache, ``debug_checks``) is refused before it runs; ``a2a``'s all-to-all and all-reduce run there."""
+    if ctx.group_name is None or not runs_on_cuda(ctx.example_inputs) or _group_backend(ctx.group_name) != "gloo":
+        return []
+    gathers = [n.name for n in gm.graph.nodes if n.target is C10D.all_gather_into_tensor.default]
+    if ctx.options.debug_checks:
+        gathers.append("debug_checks' step check")
+    if not gathers:
+        return []
+    return [f"this step all-gathers CUDA tensors over a gloo group ({', '.join(gathers)}), and gloo's all-gather "
+            f"of CUDA tensors crashes the process; use merge='a2a' (with index_cache='replicated'), or an NCCL group "
+            f"(one GPU per rank)"]
 
 
 # --------------------------------------------------------------------------- one message per rule

@@ -38,16 +38,18 @@ def hf_model(family: str, attn: str):
     return tiny_model(family, attn_implementation=attn, layers=2)
 
 
-def hf_generate(model, dcp_size: int):
+def hf_generate(model, dcp_size: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
     from dsa_dcp.integrations.transformers import DCPStaticCache, left_padded_prompts
 
     ids, mask = left_padded_prompts(PROMPT_LENS, model.config.vocab_size)
-    cache = DCPStaticCache(model.config, max_cache_len=MAX_LEN, batch_size=len(PROMPT_LENS), dcp_size=dcp_size)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW_TOKENS,
-                             do_sample=False, return_dict_in_generate=True, output_logits=True)
+    cache = DCPStaticCache(model.config, max_cache_len=MAX_LEN, batch_size=len(PROMPT_LENS), dcp_size=dcp_size,
+                           dtype=dtype, device=device)
+    with torch.no_grad():  # disable_compile: on CUDA generate would wrap the model in its own torch.compile
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), past_key_values=cache,
+                             max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+                             output_logits=True, disable_compile=True)
     caches = [(layer.keys, layer.values) for layer in cache.layers]
-    return out.sequences[:, ids.shape[1]:].tolist(), [x.float() for x in out.logits], caches
+    return out.sequences[:, ids.shape[1]:].tolist(), [x.float().cpu() for x in out.logits], caches
 
 
 def plain_model(dcp_size: int):
@@ -182,3 +184,54 @@ def test_inspect_counts_one_remap_per_glm_indexer():
     stats = dsa_dcp.backend_report().stats()
     assert stats["share_remaps"]["remaps_before"] == 4 and stats["dcp_rewrite"]["layers_merged_with_ag"] == []
     assert "remaps after sharing          2" in inspection.to_text()
+
+
+# --------------------------------------------------------------------------- GPU: bf16, ranks sharing one GPU
+
+
+def _bf16_on_one_gpu_rank(rank, world, family):
+    """Each of ``world`` gloo ranks on GPU 0 (NCCL refuses two ranks on one device): the model in
+    bf16 on the GPU alone (eager), then compiled for DCP with the default options (refused: a CUDA
+    graph cannot capture gloo's collectives), with ``merge='ag'`` (refused: gloo's all-gather of
+    CUDA tensors crashes), then with ``cuda_graphs=False`` (the default merge, ``a2a``)."""
+    from dsa_dcp.position_cache import local_positions
+
+    torch.cuda.set_device(0)
+
+    def bf16_model(options=None):
+        torch._dynamo.reset()
+        model = hf_model(family, "eager").to("cuda", torch.bfloat16)
+        if options:
+            model.compile(backend="dsa_dcp", options=options, fullgraph=True)
+        return model
+
+    def refusal(options):
+        try:
+            hf_generate(bf16_model(options), world, "cuda", torch.bfloat16)
+        except Exception as e:  # noqa: BLE001 - the parent asserts
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    ref_tokens, ref_logits, _ = hf_generate(bf16_model(), 1, "cuda", torch.bfloat16)
+    refused = {"graphs": refusal({"dcp_size": world}),  # CUDA graphs over gloo
+               "ag": refusal({"dcp_size": world, "cuda_graphs": False, "merge": "ag"})}  # gloo's CUDA all-gather
+    tokens, logits, caches = hf_generate(bf16_model({"dcp_size": world, "cuda_graphs": False}), world, "cuda",
+                                         torch.bfloat16)
+    return {"ref_tokens": ref_tokens, "tokens": tokens, "refused": refused,
+            "rel_errors": [_relative_error(a, b) for a, b in zip(logits, ref_logits)],
+            "positions": [local_positions(t).shape[2] for pair in caches for t in pair],
+            "device": str(local_positions(caches[0][0]).device), "dtype": str(local_positions(caches[0][0]).dtype)}
+
+
+@pytest.mark.gpu
+def test_transformers_model_in_bf16_on_two_ranks_sharing_one_gpu():
+    """GLM-5's transformers model in bf16 under DCP 2 generates the tokens it generates on one GPU,
+    every kernel on the GPU (the merges over gloo, through the host)."""
+    for r in run_on_ranks(_bf16_on_one_gpu_rank, 2, "glm_moe_dsa", timeout=600):
+        graphs, ag = r["refused"]["graphs"], r["refused"]["ag"]
+        assert graphs is not None and "a CUDA graph cannot capture them; compile with cuda_graphs=False" in graphs
+        assert ag is not None and "this step all-gathers CUDA tensors over a gloo group" in ag, ag
+        assert r["device"] == "cuda:0" and r["dtype"] == "torch.bfloat16"
+        assert r["positions"] == [MAX_LEN // 2] * len(r["positions"])  # half of each layer's K and V
+        assert r["tokens"] == r["ref_tokens"]
+        assert max(r["rel_errors"]) < 3e-2, r["rel_errors"]  # bf16 rounding, reassociated by the merge

@@ -136,6 +136,18 @@ def test_rule_merge_device(fake_group):
     assert reason == "the group's backend is 'fake'; symmetric memory needs NCCL with one GPU per rank"
 
 
+def test_rule_graph_capture():
+    """A gloo group's CUDA collectives cannot be captured: the step must be compiled without
+    graphs; NCCL's (and a fake group's, which launch nothing) can. On a GPU:
+    tests/test_unmodified_models.py::test_transformers_model_in_bf16_on_two_ranks_sharing_one_gpu."""
+    from dsa_dcp.validate import graph_capture_problem
+
+    problem = graph_capture_problem("gloo")
+    assert problem.startswith("the DCP group's backend is 'gloo': its collectives on CUDA tensors go through the host")
+    assert "compile with cuda_graphs=False" in problem
+    assert graph_capture_problem("nccl") is None and graph_capture_problem("fake") is None
+
+
 def test_all_problems_are_reported_together(fake_group):
     problems = _problems(step_with_stray_write, {"dcp_size": 2, "merge": "a2a", "interleave": 2, "page_size": 3},
                          _local_cache(dtype=torch.float64), heads=3)

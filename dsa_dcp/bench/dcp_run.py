@@ -23,7 +23,11 @@ Rank 0 prints each row as it is measured (and timestamped progress on stderr), r
 (``--json``) after every row, and prints the tables at the end. ``--parts`` picks parts (on two
 H200s correctness took about 5 minutes and step latency about 20 s per compiled step, so a
 device call with a 10-minute limit takes one part). ``--device cpu`` runs parts 1 and 4 on gloo
-CPU ranks with tiny models (how the script itself is tested in CI).
+CPU ranks with tiny models (how the script itself is tested in CI). ``--device cuda --backend gloo``
+runs parts 1 and 4 on ranks that may share one GPU (NCCL refuses two ranks on one device): every
+kernel runs on the GPU, the collectives go through the host, and the steps run without CUDA graphs
+(a graph cannot capture gloo's collectives) and with ``a2a`` only (the others need symmetric memory
+or an all-gather, which gloo cannot do on CUDA tensors): it checks the numbers, not the speed.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class RunSpec:
     tiny_only: bool = False
     lowering: str | None = None  # None: the backend's default (Inductor)
     index_caches: tuple[str, ...] = ("replicated", "sharded")  # step latency: DCP rows for each
+    cuda_graphs: bool | None = None  # transformers part: None, the backend's default (graphs on CUDA)
 
 
 _T0 = time.monotonic()
@@ -153,15 +158,20 @@ def _hf_generate(model, dcp_size: int, steps: int, device: str, dtype: torch.dty
     cache = DCPStaticCache(model.config, max_cache_len=HF_CACHE_LEN, batch_size=len(HF_PROMPT_LENS),
                            dcp_size=dcp_size, dtype=dtype, device=device)
     with torch.no_grad():
+        # disable_compile: on CUDA, generate would otherwise wrap the model in its own torch.compile
+        # (the reference would not run eagerly, and the DCP model would be compiled twice)
         out = model.generate(ids.to(device), attention_mask=mask.to(device), past_key_values=cache,
-                             max_new_tokens=steps, do_sample=False, return_dict_in_generate=True, output_logits=True)
+                             max_new_tokens=steps, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                             disable_compile=True)
     return out.sequences[:, ids.shape[1]:].tolist(), torch.stack(out.logits).float().cpu()
 
 
 def check_transformers(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     """transformers' DSA models, unmodified (tiny random weights, 4 layers): ``generate`` with the
     model compiled in place under DCP against the same model on this rank's device alone (eager,
-    whole cache), in bf16 on a GPU and in fp32 everywhere, for each merge mode."""
+    whole cache), in bf16 on a GPU and in fp32 everywhere, for each merge mode. On a GPU a first
+    row compiles the model with stock ``torch.compile`` on the GPU alone: how far compiled rounding
+    alone moves it from eager, the yardstick for the DCP rows in bf16."""
     from dsa_dcp.integrations.transformers import TINY_MODEL_TYPES, tiny_model
     from dsa_dcp.merge import MERGES
 
@@ -174,19 +184,42 @@ def check_transformers(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
             heads = single.config.num_attention_heads
             ref_tokens, ref_logits = _hf_generate(single, 1, spec.steps, spec.device, dtype)
             del single
-            for merge in spec.merges:
-                if heads % world and MERGES[merge].head_sharded:
-                    continue  # the head-sharded merges need the heads divisible by the group
-                _progress(f"transformers {model_type} {dtype}: {merge} over {world} ranks")
+            runs = [("stock dcp1", None)] if on_cuda else []  # None: stock torch.compile, this device alone
+            runs += [(merge, {"dcp_size": world, "merge": merge, **({"lowering": spec.lowering} if spec.lowering else {}),
+                              **({"cuda_graphs": spec.cuda_graphs} if spec.cuda_graphs is not None else {})})
+                     for merge in spec.merges if not (heads % world and MERGES[merge].head_sharded)]
+            for label, options in runs:
+                n = 1 if options is None else world
+                _progress(f"transformers {model_type} {dtype}: {label}" + (f" over {n} ranks" if options else ""))
                 torch._dynamo.reset()
                 model = tiny_model(model_type, layers=4).to(device=spec.device, dtype=dtype)
-                model.compile(backend="dsa_dcp", fullgraph=True, options={
-                    "dcp_size": world, "merge": merge, **({"lowering": spec.lowering} if spec.lowering else {})})
-                tokens, logits = _hf_generate(model, world, spec.steps, spec.device, dtype)
-                yield {"model": model_type, "dtype": str(dtype).removeprefix("torch."), "merge": merge, "N": world,
+                if options is None:
+                    model.compile(fullgraph=True)
+                else:
+                    model.compile(backend="dsa_dcp", fullgraph=True, options=options)
+                tokens, logits = _hf_generate(model, n, spec.steps, spec.device, dtype)
+                yield {"model": model_type, "dtype": str(dtype).removeprefix("torch."), "merge": label, "N": n,
                        "tokens_match": tokens == ref_tokens,
-                       "rel_logit_err": _relative_error(logits, ref_logits), "tokens": tokens}
+                       "rel_logit_err": _relative_error(logits, ref_logits), "tokens": tokens,
+                       **_first_divergence(tokens, ref_tokens, logits, ref_logits)}
                 del model
+
+
+def _first_divergence(tokens, ref_tokens, logits, ref_logits) -> dict:
+    """Where generation first left the reference: the step, the logits' relative error at each step
+    up to it (where both runs still saw the same tokens), and the reference's margin there (its
+    top-1 logit over its top-2, least over the rows that left it): a small margin is a near-tie
+    that rounding may flip."""
+    steps = logits.shape[0]
+    first = next((t for t in range(steps) if any(a[t] != b[t] for a, b in zip(tokens, ref_tokens))), None)
+    upto = steps if first is None else first + 1
+    out = {"first_diverging_step": first,
+           "step_rel_errs": [_relative_error(logits[t], ref_logits[t]) for t in range(upto)]}
+    if first is not None:
+        rows = [i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a[first] != b[first]]
+        top2 = ref_logits[first, rows].topk(2, dim=-1).values
+        out["ref_margin_there"] = (top2[:, 0] - top2[:, 1]).min().item()
+    return out
 
 
 def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
@@ -307,6 +340,9 @@ def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: in
 
 
 PARTS = ("correctness", "latency", "merge", "transformers")
+# What needs NCCL on CUDA: the speed parts (CUDA graphs), the fused merge (symmetric memory) and
+# the merges that all-gather (gloo's all-gather of CUDA tensors crashes: dsa_dcp.validate).
+HOST_COLLECTIVE_SKIPS = ("latency", "merge", "fused_a2a", "ag", "ag_rs")
 
 
 def run(rank: int, world: int, spec: RunSpec, parts: tuple[str, ...] = PARTS, report=None) -> dict:
@@ -331,10 +367,11 @@ def run(rank: int, world: int, spec: RunSpec, parts: tuple[str, ...] = PARTS, re
 def _table(rows: list[dict]) -> str:
     if not rows:
         return "(none)"
-    cols = list(rows[0])
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # rows may lack a column (e.g. no divergence)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+        cells = (r.get(c, "") for c in cols)
+        lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in cells) + " |")
     return "\n".join(lines)
 
 
@@ -343,23 +380,37 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--merges", nargs="+", default=list(RunSpec.merges))
+    p.add_argument("--merges", nargs="+", choices=list(RunSpec.merges), help="default: every merge the backend runs")
+    p.add_argument("--backend", choices=["nccl", "gloo"],
+                   help="the process group's (default: nccl on cuda, gloo on cpu); gloo on cuda lets ranks share a "
+                        "GPU (module docstring)")
     p.add_argument("--layers", type=int, default=RunSpec.layers)
     p.add_argument("--batches", type=int, nargs="+", default=list(RunSpec.batches))
     p.add_argument("--steps", type=int, default=RunSpec.steps, help="tokens each request generates (correctness)")
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--parts", nargs="+", choices=PARTS, help="default: every part the backend runs")
     p.add_argument("--lowering", choices=["inductor", "fx"], help="correctness part (default: the backend's)")
     p.add_argument("--index-caches", nargs="+", choices=["replicated", "sharded"], default=list(RunSpec.index_caches),
                    help="step latency: the index caches of the DCP rows")
     p.add_argument("--json")
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
     args = p.parse_args(argv)
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if backend == "nccl" and args.device == "cpu":
+        p.error("--backend nccl needs --device cuda")
+    host_collectives = args.device == "cuda" and backend == "gloo"  # ranks may share a GPU; no graphs
+    parts = args.parts or [x for x in PARTS if not (host_collectives and x in HOST_COLLECTIVE_SKIPS)]
+    merges = args.merges or [m for m in RunSpec.merges if not (host_collectives and m in HOST_COLLECTIVE_SKIPS)]
+    if host_collectives and set(parts + merges) & set(HOST_COLLECTIVE_SKIPS):
+        p.error(f"--device cuda --backend gloo runs without CUDA graphs and symmetric memory: "
+                f"{sorted(set(parts + merges) & set(HOST_COLLECTIVE_SKIPS))} need NCCL (one GPU per rank)")
     faulthandler.register(signal.SIGTERM, chain=True)  # a run stopped from outside shows its stacks
+    if host_collectives:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     # A collective that waits this long fails the run instead of hanging it.
-    rank, world = init_from_env("nccl" if args.device == "cuda" else "gloo", timeout=args.collective_timeout)
-    spec = RunSpec(device=args.device, merges=tuple(args.merges), layers=args.layers, batches=tuple(args.batches),
+    rank, world = init_from_env(backend, timeout=args.collective_timeout)
+    spec = RunSpec(device=args.device, merges=tuple(merges), layers=args.layers, batches=tuple(args.batches),
                    steps=args.steps, tiny_only=args.device == "cpu", lowering=args.lowering,
-                   index_caches=tuple(args.index_caches))
+                   index_caches=tuple(args.index_caches), cuda_graphs=False if host_collectives else None)
     if args.device == "cuda":
         spec = dataclasses.replace(spec, device=f"cuda:{torch.cuda.current_device()}")
     written = {}
@@ -373,14 +424,14 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(written, f, indent=1)
 
-    results = run(rank, world, spec, tuple(args.parts), report)
+    results = run(rank, world, spec, tuple(parts), report)
     if rank == 0:
         for name, rows in results.items():
             print(f"\n{name} (N = {world})\n{_table(rows)}")
     ok = all(r["tokens_match"] and r["kv_rows_per_rank"] == r["kv_rows_expected"] and r.get("fused_kernel", True)
              for r in results.get("correctness", []))
     dist.barrier()
-    if args.device == "cuda" and "latency" in args.parts:
+    if args.device == "cuda" and "latency" in parts:
         # On two H200s (torch 2.11, NCCL 2.28.9) both ranks hung in destroy_process_group after
         # the latency part, even with every compiled step and graph released first. Everything is
         # reported by now, so such a run leaves without tearing NCCL down.
