@@ -46,3 +46,20 @@ def test_step_kernel_time_is_split_by_what_dcp_adds():
     got = kernel_us_by_kind(kernels, runs=3)
     assert got == {"nccl_us": 10.0, "fused_merge_us": 3.0, "remap_us": 2.0, "combine_us": 1.0, "attention_us": 20.0,
                    "indexer_us": 5.0, "other_us": 32.0, "kernels_us": 73.0}
+
+
+def test_ranks_sharing_a_gpu_are_refused_what_needs_nccl_before_any_rank_starts(capsys):
+    """``--backend gloo`` on CUDA runs the a2a merge without graphs; the rest is refused by name."""
+    import pytest
+
+    from dsa_dcp.bench.dcp_run import main
+
+    for argv, message in [
+        (["--device", "cuda", "--backend", "gloo", "--merges", "a2a", "ag"], "['ag'] need NCCL"),
+        (["--device", "cuda", "--backend", "gloo", "--parts", "latency", "--merges", "a2a"], "['latency'] need NCCL"),
+        (["--device", "cpu", "--backend", "nccl"], "--backend nccl needs --device cuda"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err

@@ -340,9 +340,9 @@ def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: in
 
 
 PARTS = ("correctness", "latency", "merge", "transformers")
-# What needs NCCL on CUDA: the speed parts (CUDA graphs), the fused merge (symmetric memory) and
-# the merges that all-gather (gloo's all-gather of CUDA tensors crashes: dsa_dcp.validate).
-HOST_COLLECTIVE_SKIPS = ("latency", "merge", "fused_a2a", "ag", "ag_rs")
+# What needs NCCL on CUDA (not run over gloo there): the speed parts (CUDA graphs), the fused merge
+# (symmetric memory) and the merges that all-gather (gloo's all-gather of CUDA tensors crashes).
+NCCL_PARTS, NCCL_MERGES = ("latency", "merge"), ("fused_a2a", "ag", "ag_rs")
 
 
 def run(rank: int, world: int, spec: RunSpec, parts: tuple[str, ...] = PARTS, report=None) -> dict:
@@ -398,11 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "nccl" and args.device == "cpu":
         p.error("--backend nccl needs --device cuda")
     host_collectives = args.device == "cuda" and backend == "gloo"  # ranks may share a GPU; no graphs
-    parts = args.parts or [x for x in PARTS if not (host_collectives and x in HOST_COLLECTIVE_SKIPS)]
-    merges = args.merges or [m for m in RunSpec.merges if not (host_collectives and m in HOST_COLLECTIVE_SKIPS)]
-    if host_collectives and set(parts + merges) & set(HOST_COLLECTIVE_SKIPS):
-        p.error(f"--device cuda --backend gloo runs without CUDA graphs and symmetric memory: "
-                f"{sorted(set(parts + merges) & set(HOST_COLLECTIVE_SKIPS))} need NCCL (one GPU per rank)")
+    parts = args.parts or [x for x in PARTS if not (host_collectives and x in NCCL_PARTS)]
+    merges = args.merges or [m for m in RunSpec.merges if not (host_collectives and m in NCCL_MERGES)]
+    needs_nccl = [x for x in parts + merges if x in NCCL_PARTS + NCCL_MERGES]
+    if host_collectives and needs_nccl:
+        p.error(f"--device cuda --backend gloo runs the a2a merge without CUDA graphs: {needs_nccl} need NCCL "
+                f"(one GPU per rank)")
     faulthandler.register(signal.SIGTERM, chain=True)  # a run stopped from outside shows its stacks
     if host_collectives:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
