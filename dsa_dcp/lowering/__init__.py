@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from dsa_dcp.config import DCPOptions
 from dsa_dcp.lowering.cuda_graphs import CudaGraphStep
-from dsa_dcp.passes.dataflow import mutated_args
+from dsa_dcp.passes.dataflow import mutated_args, target_name
 from dsa_dcp.passes.graph import alias_base
 from dsa_dcp.position_cache import PositionShardedCache, local_positions
 
@@ -36,6 +36,29 @@ def written_inputs(gm: fx.GraphModule) -> list[int]:
     return [i for i, p in enumerate(placeholders) if p in written]
 
 
+# in-place writes whose result does not depend on what they overwrite: repeating one with the same
+# arguments changes nothing (a KV write of the same rows into the same slots)
+_OVERWRITES = {"setitem", "__setitem__", "copy_", "index_copy_", "index_fill_", "fill_", "zero_", "masked_fill_",
+               "masked_scatter_", "scatter_", "dsa_dcp.kv_store.default", "dsa_dcp.position_store.default"}
+
+
+def _overwrites(node: fx.Node) -> bool:
+    name = target_name(node.target)
+    if name in ("index_put_", "aten.index_put_.default"):
+        return not node.kwargs.get("accumulate", len(node.args) > 3 and node.args[3])
+    if name.startswith("scatter_"):
+        return "reduce" not in node.kwargs and len(node.args) <= 4
+    return name in _OVERWRITES
+
+
+def accumulated_inputs(gm: fx.GraphModule) -> list[int]:
+    """Positions of the graph's inputs that it updates from their own value (``counter.add_(n)``,
+    ``x += y``): running the step again changes them again, which a KV write of the same rows does not."""
+    accumulated = {alias_base(a) for node in gm.graph.nodes if not _overwrites(node) for a in mutated_args(node)}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [i for i, p in enumerate(placeholders) if p in accumulated]
+
+
 def unwrap_position_caches(gm: fx.GraphModule, example_inputs: Sequence[object]) -> list[int]:
     """Make ``gm`` take each position cache's local tensor in its place (see module docstring);
     returns the positions of those inputs."""
@@ -44,7 +67,9 @@ def unwrap_position_caches(gm: fx.GraphModule, example_inputs: Sequence[object])
     for i in caches:
         cache = placeholders[i]
         views = [u for u in cache.users if u.op == "call_function" and u.target is local_positions]
-        if len(views) != len(cache.users):  # refused by the recognizing pass: never lower a global-shaped use
+        whole = example_inputs[i].dcp_layout.dcp_size == 1  # a group of one: the local tensor is the whole cache
+        if len(views) != len(cache.users) and not whole:  # refused by the recognizing pass: never lower a
+            # global-shaped use
             raise AssertionError(f"position cache {cache.name} is used whole: {list(cache.users)}")
         for view in views:
             cache.meta["example_value"] = view.meta.get("example_value")
@@ -58,7 +83,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: D
     caches = unwrap_position_caches(gm, example_inputs)
     if caches:
         example_inputs = [local_positions(x) for x in example_inputs]
-        return LocalCaches(_lower(gm, example_inputs, options), caches)
+        return LocalCaches(_lower(gm, example_inputs, options, caches), caches)
     return _lower(gm, example_inputs, options)
 
 
@@ -82,8 +107,9 @@ class LocalCaches:
         raise AttributeError(name)
 
 
-def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: DCPOptions) -> Callable:
-    written = written_inputs(gm)  # before Inductor's passes see the graph
+def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: DCPOptions,
+           caches: Sequence[int] = ()) -> Callable:
+    written, accumulated = written_inputs(gm), accumulated_inputs(gm)  # before Inductor's passes see the graph
     on_cuda = runs_on_cuda(example_inputs)
     graphs = on_cuda if options.cuda_graphs is None else options.cuda_graphs
     if graphs and not on_cuda:  # refused by dsa_dcp.validate before the passes ran
@@ -95,5 +121,5 @@ def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: 
     else:
         fn = gm.forward
     if graphs:
-        return CudaGraphStep(fn, example_inputs, options.batch_sizes, written)
+        return CudaGraphStep(fn, example_inputs, options.batch_sizes, written, accumulated, by_address=caches)
     return fn

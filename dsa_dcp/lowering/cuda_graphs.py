@@ -4,20 +4,28 @@ Dynamo compiles one graph per static input shape, so a step that an engine pads 
 buckets (``options.batch_sizes``) compiles, and is captured, once per bucket. ``CudaGraphStep``
 wraps the compiled callable:
 
-- Inputs whose address never changes between calls (parameters and buffers, which dynamo marks
-  static — the KV caches among them) are used in place. So are the other inputs the step writes
-  in place (a KV cache passed as an argument): their address is part of the graph's key, so a
-  different cache gets its own graph and the writes always land in the caller's tensor. The
-  remaining inputs (rows, page table) are copied into static buffers before each replay, so a
-  caller that changes its tensors in place between steps is always seen.
-- The first call of a shape runs the step eagerly twice on a side stream (compiling every Triton
-  kernel and letting allocators settle), then captures it once and replays it. KV writes repeat
-  the same rows to the same slots, so the warm-up runs are harmless.
+- **A shape is captured on its second call.** The first call of an input signature runs the
+  compiled step as it is (Triton compiles its kernels, the allocators settle); the second captures
+  the step, then replays the capture. So every call runs the step exactly once: a step that
+  advances state in place (transformers' static caches count their positions with ``add_``) is
+  never run twice for one call, and a shape seen once only (a prefill, whose prompt length
+  differs from request to request) never costs a capture and a graph's memory. Decode steps, which
+  repeat one shape per bucket, are replayed from their second step on.
+- Parameters are used in place. So are buffers and the tensors a model marks static (transformers'
+  static caches and their position counters), the inputs the step writes in place (a KV cache
+  passed as an argument) and position caches: their addresses are part of the graph's key, so
+  another cache of the same shapes (a new ``StaticCache`` for the next ``generate``) gets its own
+  graph and the step always reads and writes the caller's tensors. The remaining inputs (rows,
+  page table) are copied into static buffers before each replay, so a caller that changes its
+  tensors in place between steps is always seen.
 - A shape whose leading dimension exceeds the largest bucket runs uncaptured.
 - Outputs are copied out of the graph's static buffers, so a result stays valid after the next
   step.
-- ``kernels_per_step()`` counts the kernels a graph replays by running its step once more under
-  the profiler, when first asked (benchmarks and inspection ask; a serving step never pays it).
+- ``kernels_per_step()`` counts the kernels a graph replays by replaying it once more under the
+  profiler, when first asked (benchmarks and inspection ask; a serving step never pays it). The
+  inputs the step accumulates into (``add_`` and the like, found in the graph) are saved before
+  that replay and put back after it, so the count changes no state; KV writes repeat the same rows
+  into the same slots.
 
 Everything inside the step must be capturable: no host syncs, no data-dependent shapes. The
 ``sparse_mla`` op uses its Triton kernel while a capture is under way (FlashInfer plans on the
@@ -34,8 +42,15 @@ import torch
 log = logging.getLogger("dsa_dcp.lowering")
 
 
-def _is_static(t: object) -> bool:
-    return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
+def _trusted_static(t: object) -> bool:
+    """A parameter, or a tensor dynamo guards by address (it recompiles if another one comes)."""
+    return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) == "guarded"
+
+
+def _marked_static(t: object) -> bool:
+    """Buffers, and tensors marked with ``mark_static_address`` (transformers' static caches): fixed
+    addresses by intent, but not guarded, so another cache of the same shapes reaches the same step."""
+    return getattr(t, "_dynamo_static_input_type", None) is not None
 
 
 class _Captured:
@@ -66,15 +81,21 @@ def count_kernels(fn: Callable, args: Sequence) -> int:
 class CudaGraphStep:
     """``fn`` replayed from one CUDA graph per input signature (see module docstring)."""
 
-    def __init__(self, fn: Callable, example_inputs: Sequence, batch_sizes: Sequence[int], written: Sequence[int] = ()):
-        """``written``: positions of the inputs ``fn`` writes in place (see ``lowering.written_inputs``)."""
+    def __init__(self, fn: Callable, example_inputs: Sequence, batch_sizes: Sequence[int], written: Sequence[int] = (),
+                 accumulated: Sequence[int] = (), by_address: Sequence[int] = ()):
+        """``written``: positions of the inputs ``fn`` writes in place (``lowering.written_inputs``);
+        ``accumulated``: those among them whose new value depends on the old (``lowering.accumulated_inputs``);
+        ``by_address``: other inputs to use in place, keyed by address (position caches)."""
         self.fn = fn
         self.max_rows = max(batch_sizes)
-        self.static = [_is_static(t) for t in example_inputs]
         # only these positions can change between calls; the per-call Python work loops over them
-        self.varying = [i for i, static in enumerate(self.static) if not static]
-        self.in_place = {i for i in self.varying if i in set(written)}  # used where they are, never copied
+        self.varying = [i for i, t in enumerate(example_inputs) if not _trusted_static(t)]
+        keyed = set(written) | set(by_address)
+        # used where they are, never copied; their address is part of the signature
+        self.in_place = {i for i in self.varying if i in keyed or _marked_static(example_inputs[i])}
+        self.accumulated = list(accumulated)
         self.graphs: dict[tuple, _Captured] = {}
+        self.seen: set[tuple] = set()  # signatures called once, uncaptured: the next call captures
         self.pool = torch.cuda.graph_pool_handle()
         self.uncaptured_calls = 0
 
@@ -92,24 +113,24 @@ class CudaGraphStep:
         )
 
     def kernels_per_step(self) -> dict[tuple, int]:
-        """Kernels each captured graph replays. Counting runs each step once more, eagerly, on its
-        last inputs (which repeats its KV writes: the same rows into the same slots)."""
+        """Kernels each captured graph replays, counted by one more replay under the profiler (the
+        accumulated inputs saved before it and restored after it: module docstring)."""
         for c in self.graphs.values():
             if c.kernels is None:
-                c.kernels = count_kernels(self.fn, c.inputs)
+                saved = [(c.inputs[i], c.inputs[i].clone()) for i in self.accumulated]
+                c.kernels = len(device_kernels(c.graph.replay, ()))
+                for tensor, value in saved:
+                    tensor.copy_(value)
         return {sig: c.kernels for sig, c in self.graphs.items()}
 
     def _capture(self, args: list) -> _Captured:
+        """Capture ``fn`` on ``args`` (it has run on this signature before). A capture runs nothing:
+        the replay that follows runs the step."""
         copied = [i for i in self.varying if isinstance(args[i], torch.Tensor) and i not in self.in_place]
         inputs = list(args)
         for i in copied:
             inputs[i] = args[i].clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.fn(*inputs)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()  # the capture stream must not overtake the first call's work
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = self.fn(*inputs)
@@ -123,6 +144,10 @@ class CudaGraphStep:
         sig = self._signature(args)
         captured = self.graphs.get(sig)
         if captured is None:
+            if sig not in self.seen:  # the first call of this shape: run it as it is
+                self.seen.add(sig)
+                self.uncaptured_calls += 1
+                return self.fn(*args)
             captured = self.graphs[sig] = self._capture(list(args))
         for i in captured.copied:
             buf, a = captured.inputs[i], args[i]
