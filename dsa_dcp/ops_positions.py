@@ -64,11 +64,21 @@ def _check_store(cache: Tensor, positions: Tensor, rows: Tensor, dim: int) -> No
 
 
 def position_store_reference(cache: Tensor, positions: Tensor, rows: Tensor, dim: int) -> None:
-    """Plain-torch ``position_store`` (see module docstring)."""
+    """Plain-torch ``position_store`` (see module docstring), with no host sync and no data-dependent
+    shape, so a CUDA graph captures it: a skipped entry writes again what the first kept entry writes
+    (or, with none kept, position 0 its own value), so every target gets one value, deterministically."""
     _check_store(cache, positions, rows, dim)
-    keep = positions >= 0
     target = cache.narrow(0, 0, rows.shape[0])
-    target.index_copy_(dim, positions[keep].long(), rows.index_select(dim, keep.nonzero().squeeze(1)).to(cache.dtype))
+    index = positions.long()
+    keep = index >= 0
+    first = keep.int().argmax()  # the first kept entry (0 when none is)
+    any_kept = keep.any()
+    index = torch.where(keep, index, torch.where(any_kept, index[first], 0))
+    stand_in = torch.where(any_kept, rows.select(dim, first).to(cache.dtype), target.select(dim, 0))
+    shape = [1] * rows.dim()
+    shape[dim] = -1
+    values = torch.where(keep.view(shape), rows.to(cache.dtype), stand_in.unsqueeze(dim))
+    target.index_copy_(dim, index, values)
 
 
 @torch.library.custom_op("dsa_dcp::position_store", mutates_args=("cache",))

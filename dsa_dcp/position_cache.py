@@ -81,12 +81,18 @@ class PositionShardedCache(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         shards = [a for a in list(args) + list(kwargs.values()) if isinstance(a, PositionShardedCache)]
-        if not all(torch._subclasses.fake_tensor.is_fake(s.local) for s in shards):
+        if all(s.dcp_layout.dcp_size == 1 for s in shards) or func in _POSITIONLESS:
+            # a group of one holds every position: the op runs on the local tensor, as written (so
+            # does an op that touches every position alike)
+            out = func(*tree_map(local_positions, args), **tree_map(local_positions, kwargs))
+            return args[0] if func._schema.is_mutable and isinstance(args[0], PositionShardedCache) else out
+        if not all(_dynamo_fake(s.local) for s in shards):
             raise RuntimeError(
                 f"{func} reached a DCP position cache ({shards[0]!r}) outside a program the dsa_dcp passes "
                 f"rewrote: the rank holds 1/{shards[0].dcp_layout.dcp_size} of its positions, so the model's code "
-                f"cannot run on it as written. Run the model through torch.compile(backend='dsa_dcp', "
-                f"options={{'dcp_size': {shards[0].dcp_layout.dcp_size}, ...}}, fullgraph=True)")
+                f"cannot run on it as written (eagerly, or compiled by another backend). Run the model through "
+                f"torch.compile(backend='dsa_dcp', options={{'dcp_size': {shards[0].dcp_layout.dcp_size}, ...}}, "
+                f"fullgraph=True)")
 
         # While dynamo traces (fake tensors): the model's ops see a global-shaped stand-in, so
         # shapes propagate as on one device; the passes rewrite every such use before it runs.
@@ -99,6 +105,20 @@ class PositionShardedCache(torch.Tensor):
         if func._schema.is_mutable:  # in place: the cache itself
             return args[0]
         return out
+
+
+# ops whose effect does not depend on which positions a rank holds: run on the local part (a cache's
+# reset: transformers' ``StaticLayer.reset`` zeroes its keys and values)
+_POSITIONLESS = {torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar}
+
+
+def _dynamo_fake(local: torch.Tensor) -> bool:
+    """``local`` is a fake tensor of dynamo's tracing, where only shapes flow. AOT autograd's tracing
+    (another backend, or Inductor given the cache itself) wraps it in a functional tensor: there
+    the stand-in would compile into the program, so it is refused like an eager call."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return torch._subclasses.fake_tensor.is_fake(local) and not isinstance(local, FunctionalTensor)
 
 
 def local_positions(cache: torch.Tensor) -> torch.Tensor:
@@ -133,21 +153,34 @@ def allocate_position_cache(shape, dim: int, *, dcp_size: int = 1, interleave: i
                             dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """A zeroed cache of global ``shape`` whose position dim ``dim`` is split for this rank.
 
-    ``dcp_size == 1`` gives a plain tensor; otherwise a ``PositionShardedCache`` whose ``.local``
-    has ``shape[dim] / dcp_size`` positions (the global length must be a multiple of
-    ``dcp_size * interleave``).
+    A ``PositionShardedCache`` whose ``.local`` has ``shape[dim] / dcp_size`` positions (the global
+    length must be a multiple of ``dcp_size * interleave``). With ``dcp_size == 1`` it holds every
+    position and runs any op as a plain tensor would (eagerly, or compiled by any backend); it stays
+    a position cache so that ``backend="dsa_dcp"`` finds it and attends over the top-k alone.
     """
+    layout = _layout(shape, dim, dcp_size, interleave)
+    local_shape = list(shape)
+    local_shape[layout.dim] = layout.local_length
+    return PositionShardedCache(torch.zeros(local_shape, dtype=dtype, device=device), layout)
+
+
+def as_position_cache(cache: torch.Tensor, dim: int, *, dcp_size: int = 1, interleave: int = 1) -> torch.Tensor:
+    """``cache`` (a whole cache, as a model allocated it) as this rank's position cache: with
+    ``dcp_size == 1`` the same memory, wrapped; otherwise a zeroed share (``allocate_position_cache``)
+    of the same shape, dtype and device, and the caller drops the whole one."""
+    if dcp_size == 1:
+        return PositionShardedCache(cache, _layout(cache.shape, dim, 1, interleave))
+    return allocate_position_cache(cache.shape, dim, dcp_size=dcp_size, interleave=interleave, dtype=cache.dtype,
+                                   device=cache.device)
+
+
+def _layout(shape, dim: int, dcp_size: int, interleave: int) -> PositionLayout:
     shape = list(shape)
     dim = dim % len(shape)
     if dim == 0:
         raise ValueError("the position dim of a cache cannot be dim 0 (the batch dim)")
-    if dcp_size == 1:
-        return torch.zeros(shape, dtype=dtype, device=device)
     check_length(shape[dim], dcp_size, interleave)
-    layout = PositionLayout(length=shape[dim], dim=dim, dcp_size=dcp_size, interleave=interleave)
-    local_shape = list(shape)
-    local_shape[dim] = layout.local_length
-    return PositionShardedCache(torch.zeros(local_shape, dtype=dtype, device=device), layout)
+    return PositionLayout(length=shape[dim], dim=dim, dcp_size=dcp_size, interleave=interleave)
 
 
 def shard_position_caches(module: nn.Module, names: tuple[str, ...] = ("kv_cache", "pe_cache"), *, dim: int = 1,

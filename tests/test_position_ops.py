@@ -123,7 +123,34 @@ def test_position_sharded_cache_holds_its_share_and_refuses_eager_use():
         cache[:, :, :4].sum()
     with pytest.raises(ValueError, match="must be a multiple of dcp_size \\* interleave = 4"):
         allocate_position_cache((2, 10, DC), 1, dcp_size=2, interleave=2)
-    assert type(allocate_position_cache((2, T, DC), 1, dcp_size=1)) is torch.Tensor
+
+
+def _write_and_read(cache, rows, positions):
+    cache.index_copy_(1, positions, rows)
+    return cache[:, :8].sum(-1), cache.sum()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_group_of_one_computes_and_a_larger_group_refuses_other_backends(backend):
+    """dcp_size=1 holds every position: any backend computes on it as on a plain tensor. A shard of a
+    larger group refuses every backend but dsa_dcp (AOT autograd would otherwise compile the model's
+    code over a stand-in and return numbers computed from no cache at all)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    step = _write_and_read if backend == "eager" else torch.compile(_write_and_read, backend=backend, fullgraph=True)
+    whole = allocate_position_cache((2, T, DC), 1, dcp_size=1)
+    assert isinstance(whole, PositionShardedCache) and tuple(local_positions(whole).shape) == (2, T, DC)
+    local_positions(whole).copy_(torch.randn(2, T, DC, generator=g))
+    plain = local_positions(whole).clone()
+    rows, positions = torch.randn(2, 2, DC, generator=g), torch.tensor([5, 1])
+    out = step(whole, rows, positions)
+    want = _write_and_read(plain, rows, positions)
+    torch.testing.assert_close(local_positions(whole), plain, rtol=0, atol=0)
+    for a, b in zip(out, want):
+        torch.testing.assert_close(a, b)
+    shard = allocate_position_cache((2, T, DC), 1, dcp_size=2)
+    with pytest.raises(Exception, match="outside a program the dsa_dcp passes rewrote"):
+        step(shard, rows, positions)
 
 
 class _StrayRead(torch.nn.Module):
