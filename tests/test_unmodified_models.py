@@ -38,12 +38,17 @@ def hf_model(family: str, attn: str):
     return tiny_model(family, attn_implementation=attn, layers=2)
 
 
-def hf_generate(model, dcp_size: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
+def hf_generate(model, dcp_size: int | None, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """Greedy generation on a ``DCPStaticCache`` for ``dcp_size`` ranks, or (``None``, the reference)
+    on transformers' own ``StaticCache``."""
     from dsa_dcp.integrations.transformers import DCPStaticCache, left_padded_prompts
 
     ids, mask = left_padded_prompts(PROMPT_LENS, model.config.vocab_size)
-    cache = DCPStaticCache(model.config, max_cache_len=MAX_LEN, batch_size=len(PROMPT_LENS), dcp_size=dcp_size,
-                           dtype=dtype, device=device)
+    if dcp_size is None:
+        cache = transformers.StaticCache(model.config, max_cache_len=MAX_LEN)  # allocated by its first update
+    else:
+        cache = DCPStaticCache(model.config, max_cache_len=MAX_LEN, batch_size=len(PROMPT_LENS), dcp_size=dcp_size,
+                               dtype=dtype, device=device)
     with torch.no_grad():  # disable_compile: on CUDA generate would wrap the model in its own torch.compile
         out = model.generate(ids.to(device), attention_mask=mask.to(device), past_key_values=cache,
                              max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
@@ -72,14 +77,14 @@ def plain_generate(model, compiled):
 
 def _generate(model_name: str, dcp_size: int, options: dict | None):
     if model_name == "plain":
-        model = plain_model(dcp_size)
+        model = plain_model(dcp_size if options else 1)
         compiled = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True) if options else model
         return plain_generate(model, compiled)
     family, attn = model_name.split(":")
     model = hf_model(family, attn)
     if options:
         model.compile(backend="dsa_dcp", options=options, fullgraph=True)
-    return hf_generate(model, dcp_size)
+    return hf_generate(model, dcp_size if options else None)
 
 
 def _rank(rank, world, model_name, merges, lowering="fx"):
@@ -143,6 +148,26 @@ def test_unmodified_model_matches_single_rank(model_name, world, merges, lowerin
             assert s["remaps"] == (1 if model_name.startswith("glm") else attention_layers)
             assert s["merges"] == attention_layers
         _check_caches_are_split(ref_caches, [r[merge] for r in ranks], world, model_name != "plain")
+
+
+@pytest.mark.parametrize("model_name", ["deepseek_v32:eager", "glm_moe_dsa:sdpa"])
+def test_a_group_of_one_attends_over_the_top_k_alone(model_name):
+    """dcp_size=1 on a DCPStaticCache: the dense top-k-masked attention becomes sparse attention over
+    the top-k positions (as fast as the top-k, not the context, allows) and gives eager's tokens
+    and logits; the cache holds every position."""
+    import dsa_dcp
+
+    ref_tokens, ref_logits, ref_caches = _generate(model_name, 1, None)
+    torch._dynamo.reset()
+    tokens, logits, caches = _generate(model_name, 1, {"dcp_size": 1, "lowering": "fx"})
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert _relative_error(a, b) < 1e-5
+    stats = dsa_dcp.backend_report().stats()["recognize_sparse_attention"]
+    assert stats["attention_recognized"] == len(ref_caches) and stats["declined"] == []
+    held = {"caches": [[t.local for t in pair] for pair in caches],
+            "global_shapes": [[tuple(t.shape) for t in pair] for pair in caches]}
+    _check_caches_are_split(ref_caches, [held], 1, left_padded=True)
 
 
 def _check_caches_are_split(ref_caches, rank_results, world, left_padded):
@@ -212,7 +237,7 @@ def _bf16_on_one_gpu_rank(rank, world, family):
             return f"{type(e).__name__}: {e}"
         return None
 
-    ref_tokens, ref_logits, _ = hf_generate(bf16_model(), 1, "cuda", torch.bfloat16)
+    ref_tokens, ref_logits, _ = hf_generate(bf16_model(), None, "cuda", torch.bfloat16)
     refused = {"graphs": refusal({"dcp_size": world}),  # CUDA graphs over gloo
                "ag": refusal({"dcp_size": world, "cuda_graphs": False, "merge": "ag"})}  # gloo's CUDA all-gather
     tokens, logits, caches = hf_generate(bf16_model({"dcp_size": world, "cuda_graphs": False}), world, "cuda",
@@ -235,3 +260,66 @@ def test_transformers_model_in_bf16_on_two_ranks_sharing_one_gpu():
         assert r["positions"] == [MAX_LEN // 2] * len(r["positions"])  # half of each layer's K and V
         assert r["tokens"] == r["ref_tokens"]
         assert max(r["rel_errors"]) < 3e-2, r["rel_errors"]  # bf16 rounding, reassociated by the merge
+
+
+# --------------------------------------------------------------------------- GPU: one device, the defaults
+
+
+GPU_PROMPTS, GPU_NEW, GPU_LEN = (5, 17, 40), 8, 64
+
+
+def _gpu_generate(model, cache_kind: str, dtype: torch.dtype):
+    """Greedy generation on CUDA: (tokens, per-step logits) on a fresh cache of ``cache_kind``
+    (``"static"``: transformers' own, ``"dcp"``: ``DCPStaticCache(dcp_size=1)``)."""
+    from dsa_dcp.integrations.transformers import DCPStaticCache, left_padded_prompts
+
+    ids, mask = left_padded_prompts(GPU_PROMPTS, model.config.vocab_size, seed=4)
+    cache = transformers.StaticCache(model.config, max_cache_len=GPU_LEN) if cache_kind == "static" else \
+        DCPStaticCache(model.config, max_cache_len=GPU_LEN, batch_size=len(GPU_PROMPTS), dcp_size=1, dtype=dtype,
+                       device="cuda")
+    with torch.no_grad():
+        out = model.generate(ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache, max_new_tokens=GPU_NEW,
+                             do_sample=False, return_dict_in_generate=True, output_logits=True, disable_compile=True)
+    return out.sequences[:, ids.shape[1]:].tolist(), [x.float().cpu() for x in out.logits]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_transformers_model_on_one_gpu_under_the_default_options(family):
+    """``model.compile(backend="dsa_dcp", options={"dcp_size": 1})`` with the defaults (Inductor, CUDA
+    graphs) generates eager's fp32 tokens, twice on new caches (the second prefill replays a graph:
+    its shape was seen before), and in bf16 its logits are as near eager's as stock torch.compile's."""
+    import dsa_dcp
+    from dsa_dcp.integrations.transformers import tiny_model
+
+    def model(dtype, backend=None):
+        torch._dynamo.reset()
+        m = tiny_model(family, layers=2, max_position_embeddings=GPU_LEN).to("cuda", dtype)
+        if backend == "dsa_dcp":
+            m.compile(backend="dsa_dcp", options={"dcp_size": 1}, fullgraph=True)
+        elif backend == "inductor":
+            m.compile(fullgraph=True)
+        return m
+
+    ref_tokens, ref_logits = _gpu_generate(model(torch.float32), "static", torch.float32)
+    compiled = model(torch.float32, "dsa_dcp")
+    for attempt in range(2):
+        tokens, logits = _gpu_generate(compiled, "dcp", torch.float32)
+        assert tokens == ref_tokens, attempt
+        for a, b in zip(logits, ref_logits, strict=True):
+            assert _relative_error(a, b) < 1e-4, attempt
+    lowered = dsa_dcp.backend_report().lowered
+    assert len(lowered.graphs) >= 1  # the decode step replays a graph
+    stats = dsa_dcp.backend_report().stats()["recognize_sparse_attention"]
+    assert stats["attention_recognized"] == 2
+
+    bf16_ref = _gpu_generate(model(torch.bfloat16), "static", torch.bfloat16)
+    stock = _gpu_generate(model(torch.bfloat16, "inductor"), "static", torch.bfloat16)
+    ours = _gpu_generate(model(torch.bfloat16, "dsa_dcp"), "dcp", torch.bfloat16)
+
+    def error(run):  # over the steps before a greedy token first differs (bf16 rounding may flip a near-tie)
+        agree = [i for i in range(GPU_NEW) if all(a[: i + 1] == b[: i + 1] for a, b in zip(run[0], bf16_ref[0]))]
+        steps = (agree[-1] + 1) if agree else 1
+        return max((a - b).abs().max().item() for a, b in zip(run[1][:steps], bf16_ref[1][:steps]))
+
+    assert error(ours) <= max(2 * error(stock), 5e-2), (error(ours), error(stock))

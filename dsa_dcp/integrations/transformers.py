@@ -25,16 +25,20 @@ so it does not wrap the already compiled model in its own ``torch.compile``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from dsa_dcp.position_cache import allocate_position_cache, local_positions, round_up_length
+from dsa_dcp.position_cache import as_position_cache, local_positions, round_up_length
 
 try:
+    import transformers
     from transformers import StaticCache
 except ImportError as e:  # pragma: no cover - the optional extra
     raise ImportError("dsa_dcp.integrations.transformers needs transformers: pip install 'dsa-dcp[hf]'") from e
 
-__all__ = ["DCPStaticCache", "cache_dims", "left_padded_prompts", "tiny_model", "TINY_MODEL_TYPES"]
+__all__ = ["DCPStaticCache", "cache_dims", "cached_layout", "initialize_layers", "left_padded_prompts", "tiny_model",
+           "TINY_MODEL_TYPES"]
 
 TINY_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
@@ -79,18 +83,78 @@ def left_padded_prompts(lengths, vocab_size: int, seed: int = 1) -> tuple[torch.
     return ids, mask
 
 
+# The tiny model's widths are all different, so the shapes its layers cache name the config fields
+# they come from (``cached_layout``).
+_PROBE_DIMS = {"qk_head_dim": 16, "v_head_dim": 4, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "index_head_dim": 20}
+
+
+@functools.lru_cache(maxsize=None)
+def cached_layout(model_type: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """What this transformers release caches per layer, as config fields: ``((heads, width) of the
+    keys, (heads, width) of the values)``, heads being ``"num_attention_heads"`` or ``"one"``.
+
+    Read off a one-token forward of a tiny model of the same type whose widths all differ: releases
+    up to 5.17 cache the expanded per-head K (nope + rope) and V; from 5.18 on, MLA's latent
+    (``kv_lora_rank``) and its rope part, one head each. Only the public cache API is read.
+    """
+    widths = {v: k for k, v in _PROBE_DIMS.items()}
+    model = tiny_model(model_type, layers=1, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=4,
+                       kv_lora_rank=24, index_head_dim=20)
+    with torch.no_grad():
+        cache = model(torch.ones(1, 1, dtype=torch.long), use_cache=True).past_key_values
+    layer = cache.layers[0]
+    found = []
+    for t in (layer.keys, layer.values):
+        heads = {1: "one", model.config.num_attention_heads: "num_attention_heads"}.get(t.shape[1])
+        width = widths.get(t.shape[-1])
+        if t.dim() != 4 or heads is None or width is None:
+            raise NotImplementedError(
+                f"transformers {transformers.__version__} caches {model_type} layers as K "
+                f"{tuple(layer.keys.shape)} and V {tuple(layer.values.shape)} for a tiny model with "
+                f"{_PROBE_DIMS}: DCPStaticCache does not know this layout")
+        found.append((heads, width))
+    return found[0], found[1]
+
+
 def cache_dims(config) -> dict:
-    """Heads and per-head K/V widths transformers' DSA models cache (K = nope + rope, V = v_head_dim)."""
+    """Heads and widths of the K and V each layer caches (``cached_layout`` read off this release),
+    the index key width and which layers hold index keys."""
     text = config.get_text_config(decoder=True)
-    k_dim = getattr(text, "qk_head_dim", None) or (text.qk_nope_head_dim + text.qk_rope_head_dim)
-    return {"heads": text.num_attention_heads, "k_dim": k_dim, "v_dim": getattr(text, "v_head_dim", k_dim),
-            "index_dim": getattr(text, "index_head_dim", None), "indexer_types": getattr(text, "indexer_types", None)}
+    fields = {"one": 1, "num_attention_heads": text.num_attention_heads,
+              "qk_head_dim": getattr(text, "qk_head_dim", None) or text.qk_nope_head_dim + text.qk_rope_head_dim,
+              "v_head_dim": text.v_head_dim, "kv_lora_rank": text.kv_lora_rank,
+              "qk_rope_head_dim": text.qk_rope_head_dim}
+    (kh, kw), (vh, vw) = cached_layout(text.model_type)
+    return {"k_heads": fields[kh], "k_dim": fields[kw], "v_heads": fields[vh], "v_dim": fields[vw],
+            "latent": kw == "kv_lora_rank", "index_dim": getattr(text, "index_head_dim", None),
+            "indexer_types": getattr(text, "indexer_types", None)}
+
+
+def initialize_layers(cache, config, batch_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Allocate every layer of a ``StaticCache`` now (a compiled prefill must find its caches as
+    inputs) through the layers' own public ``lazy_initialization`` and ``lazy_initialization_indexer``,
+    given empty examples of the shapes this release caches (``cache_dims``)."""
+    dims = cache_dims(config)
+    device = torch.device(device)
+    for i, layer in enumerate(cache.layers):
+        k = torch.empty(batch_size, dims["k_heads"], 0, dims["k_dim"], dtype=dtype, device=device)
+        v = torch.empty(batch_size, dims["v_heads"], 0, dims["v_dim"], dtype=dtype, device=device)
+        layer.lazy_initialization(k, v)
+        shared = dims["indexer_types"] is not None and dims["indexer_types"][i] != "full"
+        if hasattr(layer, "lazy_initialization_indexer") and dims["index_dim"] and not shared:
+            layer.lazy_initialization_indexer(torch.empty(batch_size, 0, dims["index_dim"], dtype=dtype,
+                                                          device=device))
 
 
 class DCPStaticCache(StaticCache):
     """A ``StaticCache`` whose K/V hold this rank's positions only (module docstring).
 
-    ``dcp_size=1`` gives an ordinary static cache, allocated up front (the single-rank reference).
+    ``dcp_size=1`` holds every position: the compiled model attends over the top-k positions alone,
+    and the cache works like transformers' own everywhere else (eagerly, under any backend).
+
+    Built on transformers' public cache API: each layer is initialized by its own
+    ``lazy_initialization`` (and ``lazy_initialization_indexer``) from empty examples of the shapes
+    this release caches (``cache_dims``), then its ``keys`` and ``values`` become position caches.
     """
 
     def __init__(self, config, max_cache_len: int, *, batch_size: int, dcp_size: int, interleave: int = 1,
@@ -98,34 +162,11 @@ class DCPStaticCache(StaticCache):
         max_cache_len = round_up_length(max_cache_len, dcp_size, interleave)
         super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
         self.dcp_size, self.interleave = dcp_size, interleave
-        dims = cache_dims(config)
-        h, t = dims["heads"], max_cache_len
-        device = torch.device(device)
-        for i, layer in enumerate(self.layers):
-            layer.keys = allocate_position_cache((batch_size, h, t, dims["k_dim"]), 2, dcp_size=dcp_size,
-                                                 interleave=interleave, dtype=dtype, device=device)
-            layer.values = allocate_position_cache((batch_size, h, t, dims["v_dim"]), 2, dcp_size=dcp_size,
-                                                   interleave=interleave, dtype=dtype, device=device)
-            layer.dtype, layer.device, layer.batch_size, layer.num_heads = dtype, device, batch_size, h
-            layer.k_head_dim, layer.v_head_dim = dims["k_dim"], dims["v_dim"]
-            layer.cumulative_length = layer.cumulative_length.to(device)
-            layer.is_initialized = True
-            shared = dims["indexer_types"] is not None and dims["indexer_types"][i] != "full"
-            if hasattr(layer, "indexer_keys") and dims["index_dim"] and not shared:
-                layer.indexer_keys = torch.zeros(batch_size, t, dims["index_dim"], dtype=dtype, device=device)
-                layer.indexer_dtype, layer.indexer_device = dtype, device
-                layer.indexer_cumulative_length = layer.indexer_cumulative_length.to(device)
-                layer.is_indexer_initialized = True
+        initialize_layers(self, config, batch_size, dtype, device)
+        for layer in self.layers:
+            layer.keys = as_position_cache(layer.keys, 2, dcp_size=dcp_size, interleave=interleave)
+            layer.values = as_position_cache(layer.values, 2, dcp_size=dcp_size, interleave=interleave)
 
     def kv_positions_per_rank(self) -> list[int]:
         """Positions each layer's K and V hold in memory on this rank (``max_cache_len / dcp_size``)."""
         return [local_positions(t).shape[2] for layer in self.layers for t in (layer.keys, layer.values)]
-
-    def reset(self) -> None:
-        for layer in self.layers:
-            for t in (layer.keys, layer.values):
-                local_positions(t).zero_()
-            layer.cumulative_length.zero_()
-            if getattr(layer, "is_indexer_initialized", False):
-                layer.indexer_keys.zero_()
-                layer.indexer_cumulative_length.zero_()

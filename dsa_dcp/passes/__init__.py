@@ -37,16 +37,17 @@ class Pipeline:
 
 
 def build_pipeline(ctx: CompileContext) -> Pipeline:
-    """The ordered passes for these options (at ``dcp_size == 1`` only the indexer's kernels)."""
+    """The ordered passes for these options (at ``dcp_size == 1`` only the indexer's kernels and, over
+    position caches, the sparse attention the model wrote densely)."""
     indexer: list[DCPPass] = [IndexerKernels()] if ctx.options.indexer_kernels else []
+    # models written elsewhere: dense top-k-masked attention over position caches (docs/models.md)
+    recognize: list[DCPPass] = [RecognizeSparseAttention()] \
+        if any(isinstance(x, PositionShardedCache) for x in ctx.example_inputs) else []
     if ctx.dcp_size == 1:
-        return Pipeline(indexer, [])
+        return Pipeline(recognize + indexer, [])
     rewrite: list[DCPPass] = [IndexCache(), LocalizeKVWrites(), DCPRewrite()]
     if ctx.options.share_remaps:
         rewrite.append(ShareRemaps())
-    normalize: list[DCPPass] = [Canonicalize()]
-    if any(isinstance(x, PositionShardedCache) for x in ctx.example_inputs):
-        # models written elsewhere: dense top-k-masked attention over position caches (docs/models.md)
-        normalize.append(RecognizeSparseAttention())
+    normalize: list[DCPPass] = [Canonicalize()] + recognize
     rewrite.append(FuseRemaps())
     return Pipeline(normalize + indexer, rewrite)

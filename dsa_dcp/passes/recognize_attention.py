@@ -19,7 +19,18 @@ densely, with the top-k applied as a mask (``docs/models.md`` shows each form's 
 - **SDPA** (transformers ``sdpa``): ``scaled_dot_product_attention(q, k_cache, v_cache,
   attn_mask=mask & ~index_mask, scale=scale)``.
 
+- **latent MLA, expanded after the read** (transformers from 5.18: the caches hold MLA's latent
+  ``[B, 1, T, Dc]`` and rope ``[B, 1, T, Dr]``), the eager or SDPA form above over::
+
+      kv = kv_b_proj(latent).view(B, T, H, Dn + Dv).transpose(1, 2)
+      k_nope, v = split(kv, [Dn, Dv], -1)
+      k = kv.new_empty(B, H, T, Dn + Dr); k[..., :Dn].copy_(k_nope); k[..., Dn:].copy_(rope.expand(-1, H, -1, -1))
+
+  which becomes absorbed MLA over the latent cache (``W_UK`` folded into the query, ``W_UV``
+  applied to the attention's output), so no step expands the cache.
+
 Leaves, for each: ``out, lse = sparse_{mla,mha}_positions(q_nope, q_pe, [local caches], slots, scale)``
+(the latent form: ``sparse_mla_positions`` of the absorbed query, then ``W_UV``)
 over the flat slots ``b * T + topk`` (``-1`` where the model's own mask excludes the position),
 ``out`` reshaped back to the layout the model's code continues with; the dense scores, the
 ``[B, S, T]`` index mask and the cache reads are gone. Every write into a position cache is
@@ -91,14 +102,44 @@ class AttentionMatch:
     mask_kind: str | None  # "additive" (0 keeps, finfo.min/-inf drops) or "keep" (bool)
     scale: float
     head_axis: int  # 2: [B, S, H, D] (scores [B, S, H, T]); 1: [B, H, S, D]
+    latent: LatentKV | None = None  # the latent MLA form: K and V expanded from caches (latent, rope)
 
     def inputs(self) -> set[fx.Node]:
         """Nodes the rewritten attention still reads (never erased with the dense part)."""
         keep = {self.q_nope, self.topk, *self.caches}
+        if self.latent is not None:
+            keep.add(self.latent.weight)
         return keep | {n for n in (self.q_pe, self.mask) if n is not None}
 
 
+@dataclasses.dataclass
+class LatentKV:
+    """K and V a model expands, every step, from MLA's latent and rope caches (module docstring)."""
+
+    latent: fx.Node  # position cache [B, 1, T, Dc]
+    rope: fx.Node  # position cache [B, 1, T, Dr]
+    weight: fx.Node  # kv_b_proj's weight [H * (Dn + Dv), Dc]
+    heads: int
+    nope: int
+    value: int
+    expansion: set[fx.Node]  # the nodes that build K and V (removed with the dense attention)
+
+
 # --------------------------------------------------------------------------- matching pieces
+
+
+def _uncast(node):
+    """Through casts that widen to float32 (``.float()``, ``.to(torch.float32)``, ``.type_as(t)`` of a
+    float32 ``t``) back to what was cast: the attention ops compute in float32 from the cache's own
+    dtype, so such a cast of a cache read, a score or a query changes no value they compute."""
+    while _is(node, (), ("float", "to", "type_as")) and isinstance(node.args[0], fx.Node) \
+            and "example_value" in node.meta and "example_value" in node.args[0].meta:
+        before, after = node.args[0].meta["example_value"], node.meta["example_value"]
+        if not (after.dtype == torch.float32 and before.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and after.device == before.device and after.shape == before.shape):
+            break
+        node = node.args[0]
+    return node
 
 
 def _strip_views(node):
@@ -145,6 +186,7 @@ def _bool_index_mask(node) -> fx.Node | None:
 
 
 def _additive_terms(node, out: list) -> list:
+    node = _uncast(node)
     if _is(node, ADD, ("add", "add_", "__add__", "__iadd__")) and len(node.args) == 2 \
             and all(isinstance(a, fx.Node) for a in node.args) and _arg(node, 2, "alpha", 1) == 1:
         _additive_terms(node.args[0], out)
@@ -155,6 +197,7 @@ def _additive_terms(node, out: list) -> list:
 
 
 def _scaled(node) -> tuple[fx.Node, float] | None:
+    node = _uncast(node)
     if _is(node, MUL, ("mul", "mul_", "__mul__")) and len(node.args) == 2:
         a, b = node.args
         if isinstance(b, (int, float)) and isinstance(a, fx.Node):
@@ -208,7 +251,7 @@ def _mla_score(node, caches: _Caches):
     if parts is None:
         return None
     a, b, res, q, read = parts
-    cache = caches.prefix_read(read)
+    cache = caches.prefix_read(_uncast(read))
     if cache is None or len(a) != 4 or len(b) != 3 or len(res) != 4:
         return None
     if not (b[0] == a[0] and b[2] == a[3] and res == a[:3] + b[1] and b[1] not in a):
@@ -222,13 +265,13 @@ def _match_value(prob_user, caches: _Caches):
     parts = _einsum_parts(node)
     if parts is not None:
         a, b, res, _, read = parts
-        cache = caches.prefix_read(read)
+        cache = caches.prefix_read(_uncast(read))
         if cache is not None and len(a) == 4 and len(b) == 3 and b[0] == a[0] and b[1] == a[3] \
                 and res == a[:3] + b[2]:
             return node, cache
         return None
-    if _is(node, MATMUL, ("matmul", "__matmul__")) and node.args[1] in caches.layouts:
-        return node, node.args[1]
+    if _is(node, MATMUL, ("matmul", "__matmul__")):
+        return node, node.args[1]  # a cache, or the value a latent expansion computes (checked with the key)
     return None
 
 
@@ -242,6 +285,61 @@ def _through_prob_casts(node: fx.Node) -> fx.Node | None:
             continue
         return user
     return None
+
+
+def _single_head_cache(node, caches: "_Caches") -> bool:
+    return node in caches.layouts and caches.layouts[node].dim == 2 and _shape(node)[1] == 1
+
+
+def match_latent_kv(key: fx.Node, value: fx.Node, caches: "_Caches") -> LatentKV | None:
+    """``key`` and ``value`` (the attention's ``[B, H, T, D]`` operands) as the latent expansion of
+    the module docstring, or ``None``."""
+    if not (_is(key, (), ("new_empty",)) and _is(value, (operator.getitem,)) and value.args[1] == 1):
+        return None
+    split = value.args[0]
+    if not (_is(split, (torch.split, torch.functional.split), ("split",)) and _arg(split, 2, "dim") in (-1, 3)
+            and isinstance(split.args[1], (list, tuple)) and len(split.args[1]) == 2):
+        return None
+    nope, v = split.args[1]
+    kv = split.args[0]
+    if not (_is(kv, (torch.transpose,), ("transpose",)) and {d % 4 for d in kv.args[1:3]} == {1, 2}):
+        return None
+    view = kv.args[0]
+    if not (_is(view, (), ("view", "reshape")) and _is(view.args[0], (torch._C._nn.linear, F.linear))):
+        return None
+    linear = view.args[0]
+    latent, weight, bias = linear.args[0], linear.args[1], _arg(linear, 2, "bias")
+    if bias is not None or not _single_head_cache(latent, caches):
+        return None
+    b, _, t, dc = _shape(latent)
+    heads = _shape(kv)[1]
+    if _shape(view) != [b, t, heads, nope + v] or _shape(weight) != [heads * (nope + v), dc]:
+        return None
+    # k = new_empty(..); k[..., :nope].copy_(k_nope); k[..., nope:].copy_(rope.expand(-1, H, -1, -1))
+    copies, expansion = {}, {linear, view, kv, split, value, key}
+    for user in key.users:
+        if _is(user, (operator.getitem,)):
+            index = user.args[1]
+            if not (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis
+                    and isinstance(index[1], slice) and len(user.users) == 1):
+                return None
+            (copy,) = user.users
+            if not (_is(copy, (), ("copy_",)) and copy.args[0] is user and not copy.users):
+                return None
+            copies[(index[1].start, index[1].stop)] = copy.args[1]
+            expansion |= {user, copy}
+    k_nope, k_rope = copies.get((None, nope)), copies.get((nope, None))
+    if len(copies) != 2 or k_nope is None or k_rope is None:
+        return None
+    if not (_is(k_nope, (operator.getitem,)) and k_nope.args[0] is split and k_nope.args[1] == 0):
+        return None
+    if not (_is(k_rope, (), ("expand",)) and _single_head_cache(k_rope.args[0], caches)
+            and _shape(k_rope)[1] == heads and _shape(k_rope)[2] == t):
+        return None
+    rope = k_rope.args[0]
+    if _shape(key) != [b, heads, t, nope + _shape(rope)[3]]:
+        return None
+    return LatentKV(latent, rope, weight, heads, nope, v, expansion | {k_nope, k_rope})
 
 
 def _split_query(q: fx.Node) -> tuple[fx.Node, fx.Node | None]:
@@ -267,6 +365,8 @@ def match_softmax_attention(softmax: fx.Node, caches: _Caches) -> tuple[Attentio
         reads = [t for t in terms if _reads_cache(t, caches)]
         return None, ("its probabilities do not feed one weighted sum of a position cache" if reads else "")
     output, value_cache = value
+    if not _reads_cache(logits, caches) and not _reads_cache(value_cache, caches):
+        return None, ""  # attention over other tensors (a prefill over the chunk in hand)
     topk = mask = mask_kind = head_axis = None
     scores = []
     for term in terms:
@@ -297,13 +397,29 @@ def match_softmax_attention(softmax: fx.Node, caches: _Caches) -> tuple[Attentio
             return None, "the top-k mask is not unsqueezed over the heads (index_mask.unsqueeze(2))"
         return AttentionMatch("mla", output, q_nope, q_pe, (kv, pe), caches.layouts[kv], topk, None, None, scale,
                               head_axis), ""
-    # per-head MHA: matmul(q, k_cache.transpose(2, 3)) * scale
-    if len(products) == 1 and _is(raw, MATMUL, ("matmul", "__matmul__")) and caches.transposed(raw.args[1]):
-        k_cache = caches.transposed(raw.args[1])
-        q_nope, q_pe = _split_query(raw.args[0])
-        return AttentionMatch("mha", output, q_nope, q_pe, (k_cache, value_cache), caches.layouts[k_cache], topk,
-                              mask, mask_kind, scale, 1), ""
+    # per-head MHA: matmul(q, k.transpose(2, 3)) * scale, K and V position caches or their latent expansion
+    if len(products) == 1 and _is(raw, MATMUL, ("matmul", "__matmul__")) \
+            and _is(raw.args[1], (torch.transpose,), ("transpose",)) \
+            and {d % 4 for d in raw.args[1].args[1:3]} == {2, 3}:
+        return _per_head(output, raw.args[0], raw.args[1].args[0], value_cache, caches, topk, mask, mask_kind, scale)
     return None, "the scores are not q . k over position caches"
+
+
+def _per_head(output, q, key, value, caches: _Caches, topk, mask, mask_kind, scale) -> tuple[AttentionMatch | None, str]:
+    """Per-head attention of ``q`` over ``key`` and ``value``: position caches (``mha``), or K and V
+    expanded from latent caches (absorbed ``mla``)."""
+    q_nope, q_pe = _split_query(q)
+    if key in caches.layouts and value in caches.layouts and caches.layouts[key].dim == 2:
+        return AttentionMatch("mha", output, q_nope, q_pe, (key, value), caches.layouts[key], topk, mask, mask_kind,
+                              scale, 1), ""
+    latent = match_latent_kv(key, value, caches)
+    if latent is None:
+        return None, ("its K and V are neither position caches nor their latent expansion "
+                      "(kv_b_proj(latent).view.transpose, split, new_empty + copy_ of the rope)")
+    if q_pe is None or _shape(q_nope)[-1] != latent.nope:
+        return None, "the query is not cat(q_nope, q_rope) split as the key is"
+    return AttentionMatch("mla", output, q_nope, q_pe, (latent.latent, latent.rope), caches.layouts[latent.latent],
+                          topk, mask, mask_kind, scale, 1, latent), ""
 
 
 def _size(graph: fx.Graph, node: fx.Node, dim: int):
@@ -346,9 +462,8 @@ def _reads_cache(node, caches: _Caches) -> bool:
 
 def match_sdpa(node: fx.Node, caches: _Caches) -> tuple[AttentionMatch | None, str]:
     q, k, v = node.args[:3]
-    if k not in caches.layouts or v not in caches.layouts:
-        return None, ("scaled_dot_product_attention over a position cache needs both K and V to be caches"
-                      if k in caches.layouts or v in caches.layouts else "")
+    if not _reads_cache(k, caches) and not _reads_cache(v, caches):
+        return None, ""
     attn_mask = _arg(node, 3, "attn_mask")
     if _arg(node, 4, "dropout_p", 0.0) != 0.0 or _arg(node, 5, "is_causal", False) or attn_mask is None:
         return None, "scaled_dot_product_attention with dropout, is_causal or no mask"
@@ -363,9 +478,7 @@ def match_sdpa(node: fx.Node, caches: _Caches) -> tuple[AttentionMatch | None, s
         return None, "its attn_mask is not the model mask & ~ones.scatter(-1, topk, False)"
     scale = _arg(node, 6, "scale")
     scale = float(scale) if scale is not None else _shape(q)[-1] ** -0.5
-    q_nope, q_pe = _split_query(q)
-    return AttentionMatch("mha", node, q_nope, q_pe, (k, v), caches.layouts[k], topk,
-                          keep, "keep" if keep is not None else None, scale, 1), ""
+    return _per_head(node, q, k, v, caches, topk, keep, "keep" if keep is not None else None, scale)
 
 
 # --------------------------------------------------------------------------- the pass
@@ -376,6 +489,7 @@ class RecognitionPlan(Plan):
     layouts: dict[fx.Node, PositionLayout] = dataclasses.field(default_factory=dict)
     matches: list[AttentionMatch] = dataclasses.field(default_factory=list)
     writes: list[PositionWrite] = dataclasses.field(default_factory=list)
+    declined: list[str] = dataclasses.field(default_factory=list)  # dcp_size 1: left as written, and why
 
 
 class RecognizeSparseAttention(DCPPass):
@@ -385,9 +499,12 @@ class RecognizeSparseAttention(DCPPass):
     name = "recognize_sparse_attention"
 
     def check(self, gm: fx.GraphModule, ctx: CompileContext) -> RecognitionPlan:
+        """Under DCP every use of a position cache must be recognized or is refused. In a group of one
+        the cache holds every position, so what is not recognized stays as written (the reasons are
+        the pass's ``declined`` stat) and only the recognized attention becomes sparse."""
         layouts = position_caches(gm, ctx.example_inputs)
         caches = _Caches(layouts)
-        problems, matches, writes = [], [], []
+        problems, declined, matches, writes = [], [], [], []
         if not layouts:
             return RecognitionPlan(problems, [], layouts, matches, writes)
         for cache, layout in layouts.items():
@@ -399,11 +516,12 @@ class RecognizeSparseAttention(DCPPass):
                 match, why = match_sdpa(node, caches)
             else:
                 continue
-            if match is not None:
-                problems += self._mask_problems(match)
+            if match is not None and not self._mask_problems(match):
                 matches.append(match)
+            elif match is not None:
+                declined += self._mask_problems(match)
             elif why:
-                problems.append(f"{node.name} attends over a position cache in a form the DCP rewrite does not "
+                declined.append(f"{node.name} attends over a position cache in a form the DCP rewrite does not "
                                 f"recognize: {why}{where(node)}")
         consumed = self._consumed(gm, matches)
         for cache, layout in layouts.items():
@@ -414,9 +532,12 @@ class RecognizeSparseAttention(DCPPass):
                     writes.append(write)
                     allowed.add(user)
                 elif why:
-                    problems.append(f"position cache {cache.name}: {why}: {user.format_node()}{where(user)}")
+                    declined.append(f"position cache {cache.name}: {why}: {user.format_node()}{where(user)}")
                     allowed.add(user)
-            problems += stray_uses(cache, allowed | consumed)
+            declined += stray_uses(cache, allowed | consumed)
+        if ctx.dcp_size == 1:  # the whole cache: the model's own writes and reads stay valid
+            return RecognitionPlan(problems, [], layouts, matches, [], declined=declined)
+        problems += declined
         if ctx.options.debug_checks and matches:
             problems.append("debug_checks are not available yet for attention over position caches")
         return RecognitionPlan(problems, [], layouts, matches, writes)
@@ -435,7 +556,7 @@ class RecognizeSparseAttention(DCPPass):
     def _consumed(gm: fx.GraphModule, matches: list[AttentionMatch]) -> set[fx.Node]:
         """The nodes only the dense attention uses (its output, and every node all of whose users
         are such nodes): removed with it. The model's own values (queries, top-k, mask) stay."""
-        consumed = {m.output for m in matches}
+        consumed = {m.output for m in matches} | {n for m in matches if m.latent for n in m.latent.expansion}
         stop = set().union(*(m.inputs() | {_integer_base(m.topk)} for m in matches)) if matches else set()
         for node in reversed(list(gm.graph.nodes)):
             if node in consumed or node in stop or node.op in ("placeholder", "output"):
@@ -446,7 +567,7 @@ class RecognizeSparseAttention(DCPPass):
 
     def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: RecognitionPlan) -> dict:
         if not plan.layouts:
-            return {"position_caches": 0, "attention_recognized": 0, "writes_localized": 0}
+            return {"position_caches": 0, "attention_recognized": 0, "writes_localized": 0, "declined": []}
         local = insert_local_views(gm, plan.layouts, ctx.example_inputs)
         slots_cache: dict[tuple, fx.Node] = {}
         for match in plan.matches:
@@ -455,7 +576,7 @@ class RecognizeSparseAttention(DCPPass):
         self._erase_dead(gm, self._consumed(gm, plan.matches))
         return {"position_caches": len(plan.layouts), "attention_recognized": len(plan.matches),
                 "forms": sorted({m.kind for m in plan.matches}), "writes_localized": len(plan.writes),
-                "position_localizations": localizations, "slots_tensors": len(slots_cache)}
+                "position_localizations": localizations, "slots_tensors": len(slots_cache), "declined": plan.declined}
 
     @staticmethod
     def _slots(graph: fx.Graph, match: AttentionMatch, slots_cache: dict) -> fx.Node:
@@ -497,10 +618,20 @@ class RecognizeSparseAttention(DCPPass):
             q_nope = rows(match.q_nope)
             q_pe = rows(match.q_pe) if match.q_pe is not None else \
                 call(graph, operator.getitem, q_nope, (Ellipsis, slice(0, 0)))
+            caches = [local[c] for c in match.caches]
+            latent = match.latent
+            if latent is not None:  # absorbed: q_nope . (W_UK latent) = (q_nope W_UK) . latent
+                w = method(graph, "view", latent.weight, latent.heads, latent.nope + latent.value, -1)
+                w_uk = call(graph, operator.getitem, w, (slice(None), slice(None, latent.nope)))
+                w_uv = call(graph, operator.getitem, w, (slice(None), slice(latent.nope, None)))
+                q_nope = call(graph, torch.einsum, "rhd,hdc->rhc", q_nope, w_uk)
+                caches = [method(graph, "select", c, 1, 0) for c in caches]  # [B, 1, T, D] -> [B, T, D]
             op = SPARSE_MLA_POSITIONS if match.kind == "mla" else SPARSE_MHA_POSITIONS
-            attn = call(graph, op, q_nope, q_pe, [local[c] for c in match.caches], slots, match.scale)
+            attn = call(graph, op, q_nope, q_pe, caches, slots, match.scale)
             out = call(graph, operator.getitem, attn, 0)
             call(graph, operator.getitem, attn, 1)  # the LSE, for the merge
+            if latent is not None:  # the per-head value up-projection, after the merge
+                out = call(graph, torch.einsum, "rhc,hdc->rhd", out, w_uv)
             out = method(graph, "unflatten", out, 0, (_size(graph, match.topk, 0), _size(graph, match.topk, 1)))
             if match.head_axis == 1:
                 out = method(graph, "transpose", out, 1, 2)
