@@ -16,6 +16,21 @@ bf16/fp32 arithmetic instead of the FP8 kernels, a dense SwiGLU instead of the M
 - the value up-projection sliced per step out of the fused ``wkv_b`` weight, and a row-parallel
   output linear ending in ``.type_as(x)``.
 
+Published code varies in small ways the DCP rewrite must take; each is a field of ``ModelArgs``
+(off by default, so the default model is the one above), tested under DCP:
+
+- ``cache_cast``: the decode step reads the caches and its query through a cast to float32
+  (``"float"``: ``kv_cache[:bsz, :end_pos].float()``, ``"to"``: ``.to(torch.float32)``,
+  ``"type_as"``: ``.type_as(scores)``), and its output is cast back (``.type_as(x)``);
+- ``softmax_cast``: ``scores.float().softmax(dim=-1).type_as(scores)`` instead of
+  ``scores.softmax(dim=-1, dtype=torch.float32)``;
+- ``mask_add``: ``"inplace"`` (``scores += mask``, the default) or ``"out_of_place"``
+  (``scores = scores + mask``);
+- ``topk_break``: a graph break between the indexer and the attention, so that the top-k reaches
+  the attention's graph as an input (``"assert"``: a data-dependent check of the top-k,
+  ``"broadcast"``: ``dist.broadcast`` of it from rank 0 when a process group is up); compile such
+  a model without ``fullgraph``.
+
 ``generate`` is the published ``generate.py`` loop: batched prompts of different lengths,
 a prefill of the shortest prompt, then one position per step for every request (prompt tokens
 fed as they are until each prompt is used up), greedy.
@@ -51,6 +66,18 @@ class ModelArgs:
     index_topk: int = 4
     rope_theta: float = 10000.0
     dtype: torch.dtype = torch.float32
+    # forms of published code (module docstring)
+    cache_cast: str = ""  # "", "float", "to", "type_as"
+    softmax_cast: bool = False
+    mask_add: str = "inplace"  # or "out_of_place"
+    topk_break: str = ""  # "", "assert", "broadcast"
+
+    def __post_init__(self):
+        forms = {"cache_cast": ("", "float", "to", "type_as"), "mask_add": ("inplace", "out_of_place"),
+                 "topk_break": ("", "assert", "broadcast")}
+        for name, allowed in forms.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ModelArgs.{name}={getattr(self, name)!r}; allowed: {allowed}")
 
 
 def tiny_args(**overrides) -> ModelArgs:
@@ -166,11 +193,34 @@ class MLA(nn.Module):
                                           dtype=args.dtype)
         self.wo = RowParallelLinear(args.n_heads * self.v_head_dim, args.dim, dtype=args.dtype)
         self.softmax_scale = self.qk_head_dim ** -0.5
+        self.args = args
         self.indexer = Indexer(args)
+        self.register_buffer("float_anchor", torch.zeros((), dtype=torch.float32), persistent=False)
         self.register_buffer("kv_cache", torch.zeros(args.max_batch_size, args.max_seq_len, self.kv_lora_rank,
                                                      dtype=args.dtype), persistent=False)
         self.register_buffer("pe_cache", torch.zeros(args.max_batch_size, args.max_seq_len, self.qk_rope_head_dim,
                                                      dtype=args.dtype), persistent=False)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        form = self.args.cache_cast
+        if form == "float":
+            return t.float()
+        if form == "to":
+            return t.to(torch.float32)
+        if form == "type_as":
+            return t.type_as(self.float_anchor)
+        return t
+
+    def _add_mask(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.args.mask_add == "out_of_place":
+            return scores + mask
+        scores += mask
+        return scores
+
+    def _softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.args.softmax_cast:
+            return scores.float().softmax(dim=-1).type_as(scores)
+        return scores.softmax(dim=-1, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, start_pos: int, cos, sin, mask):
         bsz, seqlen, _ = x.size()
@@ -186,6 +236,10 @@ class MLA(nn.Module):
         self.kv_cache[:bsz, start_pos:end_pos] = kv
         self.pe_cache[:bsz, start_pos:end_pos] = k_pe.squeeze(2)
         topk_indices = self.indexer(x, qr, start_pos, cos, sin, mask)
+        if self.args.topk_break == "assert":  # data-dependent: a graph break
+            assert int(topk_indices.max()) < end_pos, "top-k past the context"
+        elif self.args.topk_break == "broadcast" and torch.distributed.is_initialized():
+            torch.distributed.broadcast(topk_indices, src=0)  # every rank attends with rank 0's top-k
         if mask is not None:  # prefill: MHA over the chunk in hand
             q = torch.cat([q_nope, q_pe], dim=-1)
             kv = self.wkv_b(kv)
@@ -195,18 +249,23 @@ class MLA(nn.Module):
             scores = torch.einsum("bshd,bthd->bsht", q, k).mul_(self.softmax_scale)
             index_mask = torch.full((bsz, seqlen, seqlen), float("-inf"), device=x.device).scatter_(-1, topk_indices, 0)
             index_mask += mask
-            scores += index_mask.unsqueeze(2)
-            scores = scores.softmax(dim=-1, dtype=torch.float32)
+            scores = self._add_mask(scores, index_mask.unsqueeze(2))
+            scores = self._softmax(scores)
             x = torch.einsum("bsht,bthd->bshd", scores.type_as(x), v)
         else:  # decode: absorbed MLA over the caches
             wkv_b = self.wkv_b.weight.view(self.n_local_heads, -1, self.kv_lora_rank)
             q_nope = torch.einsum("bshd,hdc->bshc", q_nope, wkv_b[:, :self.qk_nope_head_dim])
-            scores = (torch.einsum("bshc,btc->bsht", q_nope, self.kv_cache[:bsz, :end_pos]) +
-                      torch.einsum("bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end_pos])) * self.softmax_scale
+            cast = self._cast
+            scores = (torch.einsum("bshc,btc->bsht", cast(q_nope), cast(self.kv_cache[:bsz, :end_pos])) +
+                      torch.einsum("bshr,btr->bsht", cast(q_pe), cast(self.pe_cache[:bsz, :end_pos]))
+                      ) * self.softmax_scale
             index_mask = torch.full((bsz, 1, end_pos), float("-inf"), device=x.device).scatter_(-1, topk_indices, 0)
-            scores += index_mask.unsqueeze(2)
-            scores = scores.softmax(dim=-1, dtype=torch.float32)
-            x = torch.einsum("bsht,btc->bshc", scores.type_as(x), self.kv_cache[:bsz, :end_pos])
+            scores = self._add_mask(scores, index_mask.unsqueeze(2))
+            scores = self._softmax(scores)
+            if self.args.cache_cast:  # float32 probabilities over the float32 cache, the result cast back
+                x = torch.einsum("bsht,btc->bshc", scores, cast(self.kv_cache[:bsz, :end_pos])).type_as(x)
+            else:
+                x = torch.einsum("bsht,btc->bshc", scores.type_as(x), self.kv_cache[:bsz, :end_pos])
             x = torch.einsum("bshc,hdc->bshd", x, wkv_b[:, -self.v_head_dim:])
         return self.wo(x.flatten(2))
 
