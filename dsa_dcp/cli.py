@@ -101,6 +101,12 @@ def _bench_step(args: argparse.Namespace) -> int:
     return _timed(args, "bench step", bench_step)
 
 
+def _bench_hf(args: argparse.Namespace) -> int:
+    from dsa_dcp.bench.hf import main as bench_hf
+
+    return _timed(args, "bench hf", bench_hf)
+
+
 def _timed(args: argparse.Namespace, name: str, run) -> int:
     from dsa_dcp.progress import Progress
 
@@ -198,6 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--context", type=int, default=4096, help="cached tokens per request")
     step.add_argument("--json", help="also write the rows to this file")
     step.set_defaults(func=_bench_step)
+    hf = bench_sub.add_parser("hf", parents=[common],
+                              help="a transformers GLM-5-shaped model's decode token: eager, transformers' compiled "
+                                   "static-cache decode, dsa_dcp (dcp_size 1)")
+    hf.add_argument("--shapes", nargs="+", metavar="BATCHxPROMPT",
+                    help="requests x cached positions (default 1x4096 8x4096 32x4096 1x16384 8x16384)")
+    hf.add_argument("--layers", type=_at_least(1), default=4)
+    hf.add_argument("--steps", type=_at_least(1), default=12, help="timed decode steps per variant")
+    hf.add_argument("--json", help="also write the rows to this file")
+    hf.set_defaults(func=_bench_hf)
     merge = bench_sub.add_parser("merge", parents=[common], help="fused a2a merge vs pack + exchange + combine (N ranks emulated on one GPU)")
     merge.add_argument("--dcp", type=int, nargs="+", default=[2, 4, 8])
     merge.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
