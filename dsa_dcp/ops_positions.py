@@ -25,6 +25,9 @@ passes handle them like ``sparse_mla``. Contracts (single-rank meaning):
     Per-head attention over the same flat pool: head ``h`` of row ``r`` scores
     ``cat(q_nope, q_pe)[r, h] . k[b, h, p]`` and averages ``v[b, h, p]``.
 
+On CUDA both run Triton kernels (``kernels/sparse_positions.py``) that read the named rows in
+place; elsewhere the references below.
+
 For both attention ops: ``topk`` entries are flat slots ``b * T + p`` (``T`` is the cache's
 position length), negative entries are skipped; ``lse`` is float32, natural log; a row with no
 valid entry gives ``out = 0``, ``lse = -inf``; a NaN in a query or in a cached row the top-k names
@@ -181,6 +184,14 @@ def sparse_mla_positions(q_nope: Tensor, q_pe: Tensor, caches: list[Tensor], top
     return sparse_mla_positions_reference(q_nope, q_pe, caches, topk, sm_scale)
 
 
+@sparse_mla_positions.register_kernel("cuda")
+def _sparse_mla_positions_cuda(q_nope, q_pe, caches, topk, sm_scale):
+    from dsa_dcp.kernels.sparse_positions import sparse_mla_positions_triton
+
+    _check_attention("sparse_mla_positions", q_nope, q_pe, caches, topk, per_head=False)
+    return sparse_mla_positions_triton(q_nope, q_pe, caches, topk, sm_scale)
+
+
 @sparse_mla_positions.register_fake
 def _sparse_mla_positions_fake(q_nope, q_pe, caches, topk, sm_scale):
     _check_attention("sparse_mla_positions", q_nope, q_pe, caches, topk, per_head=False)
@@ -192,6 +203,14 @@ def _sparse_mla_positions_fake(q_nope, q_pe, caches, topk, sm_scale):
 def sparse_mha_positions(q_nope: Tensor, q_pe: Tensor, caches: list[Tensor], topk: Tensor,
                          sm_scale: float) -> tuple[Tensor, Tensor]:
     return sparse_mha_positions_reference(q_nope, q_pe, caches, topk, sm_scale)
+
+
+@sparse_mha_positions.register_kernel("cuda")
+def _sparse_mha_positions_cuda(q_nope, q_pe, caches, topk, sm_scale):
+    from dsa_dcp.kernels.sparse_positions import sparse_mha_positions_triton
+
+    _check_attention("sparse_mha_positions", q_nope, q_pe, caches, topk, per_head=True)
+    return sparse_mha_positions_triton(q_nope, q_pe, caches, topk, sm_scale)
 
 
 @sparse_mha_positions.register_fake

@@ -19,7 +19,7 @@ def _store_and_attend(q_nope, q_pe, cache, topk, slots, rows):
     return out
 
 
-def _step_inputs(seed, device, S=40, B=4, H=4, DC=16, DR=8, K=6):
+def _step_inputs(seed, device, S=96, B=4, H=4, DC=16, DR=8, K=6):
     g = torch.Generator().manual_seed(seed)
     args = (torch.randn(B, H, DC, generator=g), torch.randn(B, H, DR, generator=g), None,
             torch.randint(-1, S, (B, K), generator=g), torch.randperm(S, generator=g)[:B],
@@ -84,7 +84,7 @@ def test_a_step_that_advances_a_counter_runs_once_per_call():
         ref = _store_and_count(ref_cache, ref_counter, rows, torch.arange(2, device="cuda"))
         assert int(counter) == int(ref_counter)
         torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
-        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        torch.testing.assert_close(out, ref)  # Inductor's sum reassociates
     lowered = dsa_dcp.backend_report().lowered
     assert len(lowered.graphs) == 1 and lowered.uncaptured_calls == 1  # the first call only
     (kernels,) = lowered.kernels_per_step().values()

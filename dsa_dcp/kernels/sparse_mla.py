@@ -174,6 +174,7 @@ def _sparse_mla_kernel(
     q_nope_ptr,
     q_pe_ptr,
     kv_ptr,
+    pe_ptr,
     topk_ptr,
     out_ptr,
     lse_ptr,
@@ -190,6 +191,7 @@ def _sparse_mla_kernel(
     stride_qp_b,
     stride_qp_h,
     stride_kv,
+    stride_pe,
     stride_topk,
     DC: tl.constexpr,
     DR: tl.constexpr,
@@ -249,8 +251,9 @@ def _sparse_mla_kernel(
         valid = (idx >= 0) & (idx < S)
         seen = seen | valid.to(tl.int32)
         kv_row = kv_ptr + tl.where(valid, idx, 0) * stride_kv
+        pe_row = pe_ptr + tl.where(valid, idx, 0) * stride_pe  # the rope part: kv's own columns, or a second tensor
         kc = tl.load(kv_row[:, None] + own[None, :], mask=valid[:, None] & in_own[None, :], other=0.0)
-        kr = tl.load(kv_row[:, None] + DC + offs_dr[None, :], mask=valid[:, None] & in_dr[None, :], other=0.0)
+        kr = tl.load(pe_row[:, None] + offs_dr[None, :], mask=valid[:, None] & in_dr[None, :], other=0.0)
         kc = _operand(kc, UPCAST, DOT_DTYPE)
         kr = _operand(kr, UPCAST, DOT_DTYPE)
         if KEY_MAJOR:  # (USE_DOT; the launcher sees to it)
@@ -358,8 +361,12 @@ def sparse_mla_triton(
     num_splits: int | None = None,
     key_major: bool | None = None,
     dc_split: int | None = None,
+    pe: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton sparse MLA decode (see module docstring); grid (B, ceil(H / BLOCK_H) * dc_split, splits).
+
+    ``pe`` (``[S, Dr]``): the rope part of every slot in a tensor of its own, ``kv`` then ``[S, Dc]``
+    (models that cache the latent and its rope apart: ``sparse_mla_positions``).
 
     Online softmax over K in tiles of ``block_k``: gather the tile's KV rows, score the head
     block, keep a running max and sum and an fp32 ``acc[BLOCK_H, Dc]``. Tensor-core ``tl.dot`` is
@@ -376,7 +383,15 @@ def sparse_mla_triton(
     accumulator half the size) and each computing the whole score tile (the score product is
     done twice). No host sync.
     """
-    _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
+    if pe is not None:  # checked as the pool [S, Dc + Dr] they are together
+        if pe.dim() != 2 or kv.dim() != 2 or pe.shape[0] != kv.shape[0] or pe.dtype != kv.dtype \
+                or kv.dtype in FP8_KV_DTYPES:
+            raise ValueError(f"{_OP}: a separate pe must be [S, Dr] beside kv [S, Dc], one dtype (not FP8); got "
+                             f"kv {kv.dtype} {tuple(kv.shape)}, pe {pe.dtype} {tuple(pe.shape)}")
+        _check(q_nope, q_pe, torch.empty((0, kv.shape[1] + pe.shape[1]), dtype=kv.dtype, device=kv.device), topk,
+               sm_scale, kv_scale)
+    else:
+        _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv", kv)):
         if t.dtype not in TRITON_FLOAT_DTYPES + (FP8_KV_DTYPES if name == "kv" else ()):
             raise ValueError(f"{_OP}: {name} dtype must be one of {list(TRITON_FLOAT_DTYPES)}, got {t.dtype}")
@@ -389,7 +404,8 @@ def sparse_mla_triton(
         return out, torch.full((B, H), float("-inf"), dtype=torch.float32, device=device)
     check_launchable(_sparse_mla_kernel, q_nope, q_pe, kv, topk)
     tiles = {}
-    if device.type == "cuda" and all(v is None for v in (block_h, block_k, num_warps, num_stages, num_splits, key_major, dc_split)):
+    if device.type == "cuda" and all(v is None for v in (block_h, block_k, num_warps, num_stages, num_splits, key_major,
+                                                         dc_split)):
         choice = dispatch.choose(H, B, K, kv.dtype, device)  # tiles measured for this shape, if any
         tiles = choice.tiles if choice is not None else {}
     tile_h, tile_k, warps = _default_tiles(B, H, device)
@@ -437,6 +453,7 @@ def sparse_mla_triton(
     q_nope = last_dim_contiguous(q_nope)
     q_pe = last_dim_contiguous(q_pe)
     kv = last_dim_contiguous(kv)
+    pe = kv[:, Dc:] if pe is None else last_dim_contiguous(pe)
     topk = topk.contiguous()
     # one split writes the result itself; several write fp32 partials for lse_combine
     # (no leading split dim for one split: the results are then fresh tensors, not views)
@@ -444,9 +461,10 @@ def sparse_mla_triton(
     out = torch.empty(lead + (B, H, Dc), dtype=q_nope.dtype if splits == 1 else torch.float32, device=device)
     lse = torch.empty(lead + (B, H), dtype=torch.float32, device=device)
     _sparse_mla_kernel[(B, head_blocks * dc_split, splits)](
-        q_nope, q_pe, kv, topk, out, lse,
+        q_nope, q_pe, kv, pe, topk, out, lse,
         B, H, K, kv.shape[0], split_len, float(sm_scale) * scale / q_prescale, scale, q_prescale,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), topk.stride(0),
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), pe.stride(0),
+        topk.stride(0),
         DC=Dc, DR=Dr, BLOCK_H=bh, BLOCK_K=bk, BLOCK_DV=block_dv, BLOCK_DR=block_dr, DC_SPLIT=dc_split,
         USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32),
         UPCAST=interpreted or not use_dot, Q_PRESCALE=q_prescale != 1.0, KEY_MAJOR=key_major,

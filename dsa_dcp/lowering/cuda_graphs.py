@@ -107,9 +107,10 @@ class CudaGraphStep:
         )
 
     def _capturable(self, args: Sequence) -> bool:
+        """The step's rows fit a bucket (the inputs used in place, caches among them, are not rows)."""
         return all(
             not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] <= self.max_rows
-            for a in (args[i] for i in self.varying)
+            for a in (args[i] for i in self.varying if i not in self.in_place)
         )
 
     def kernels_per_step(self) -> dict[tuple, int]:
