@@ -20,7 +20,7 @@ from torch._logging import trace_structured
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dsa_dcp import conventions  # torch.compile's conventions: mode=, grad mode, compiler reset
-from dsa_dcp import registry
+from dsa_dcp import progress, registry
 from dsa_dcp.config import DCPOptions, OptionsError, resolve_group
 from dsa_dcp.lowering import lower
 from dsa_dcp.passes import build_pipeline
@@ -113,6 +113,11 @@ def dsa_dcp_backend(
     ctx, problems = compile_context(opts)
     problems = conventions.grad_mode_problems(example_inputs) + problems  # inference only
     ctx = dataclasses.replace(ctx, example_inputs=tuple(example_inputs))
+    attention = len(sparse_attention_nodes(gm.graph))
+    number, started = progress.compiling(
+        f"({len(gm.graph.nodes)} nodes{f', {attention} sparse attention layer' if attention else ''}"
+        f"{'s' if attention > 1 else ''}) for rank "
+        f"{ctx.rank} of {opts.dcp_size}, lowering {opts.lowering}", ctx.rank)
     report = CompileReport(options=opts, rank=ctx.rank, graph_before=gm.code, passes=[],
                            process_group=process_group_note(opts.dcp_size))
     trace_structured(
@@ -153,6 +158,7 @@ def dsa_dcp_backend(
     set_last_report(report)
     registry.record(report, example_inputs)  # so dsa_dcp.inspect(compiled) finds it
     lowered = lower(gm, example_inputs, opts)
+    progress.compiled(number, started, ctx.rank)
     report.hold_lowered(lowered)
     log.info("compiled for rank %d of %d (lowering %s, %d passes): %s", ctx.rank, opts.dcp_size, opts.lowering,
              len(report.passes), report.summary)  # TORCH_LOGS=dsa_dcp

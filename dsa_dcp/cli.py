@@ -270,7 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     insp.add_argument("--rows", type=_at_least(1), default=4, help="decode rows of the example step (built-in configs)")
     insp.set_defaults(func=_inspect, parser=insp)
     args = parser.parse_args(argv)
-    return args.func(args)
+    if not getattr(args, "quiet", False):
+        return args.func(args)
+    before = os.environ.get("DSA_DCP_QUIET")
+    os.environ["DSA_DCP_QUIET"] = "1"  # the backend's compile lines too, in this process and its ranks
+    try:
+        return args.func(args)
+    finally:
+        if before is None:
+            del os.environ["DSA_DCP_QUIET"]
+        else:
+            os.environ["DSA_DCP_QUIET"] = before
 
 
 if __name__ == "__main__":

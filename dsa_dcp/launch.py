@@ -264,6 +264,42 @@ def _stop(procs, grace: float) -> None:
             p.join()
 
 
+def _refuse_unguarded_main() -> None:
+    """Each rank is a spawned process that imports the main script again: a script that calls
+    ``run_on_ranks`` at its top level, outside ``if __name__ == "__main__":``, would start ranks from
+    every rank, which multiprocessing stops with a long error in each. Refuse it here, at once."""
+    import ast
+    import inspect
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            break
+        frame = frame.f_back
+    if frame is None:
+        return
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):  # python -c, a notebook, a frozen program: nothing to read
+        return
+
+    def guards_main(node) -> bool:
+        test = node.test
+        return isinstance(test, ast.Compare) and len(test.comparators) == 1 and \
+            {ast.unparse(test.left), ast.unparse(test.comparators[0])} in ({"__name__", "'__main__'"},
+                                                                           {"__name__", '"__main__"'})
+
+    for node in tree.body:
+        if isinstance(node, ast.If) and guards_main(node) and node.lineno <= line <= node.end_lineno:
+            return
+    raise RuntimeError(
+        f"run_on_ranks was called at the top level of the script {path} (line {line}), outside "
+        f"`if __name__ == \"__main__\":`. Each rank is a new process that imports the script again, so it "
+        f"would start ranks of its own. Put the call under `if __name__ == \"__main__\":`")
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -286,6 +322,7 @@ def run_on_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    _refuse_unguarded_main()
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     collective_timeout = timeout if collective_timeout is None else collective_timeout

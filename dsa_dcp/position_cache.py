@@ -92,7 +92,10 @@ class PositionShardedCache(torch.Tensor):
                 f"rewrote: the rank holds 1/{shards[0].dcp_layout.dcp_size} of its positions, so the model's code "
                 f"cannot run on it as written (eagerly, or compiled by another backend). Run the model through "
                 f"torch.compile(backend='dsa_dcp', options={{'dcp_size': {shards[0].dcp_layout.dcp_size}, ...}}, "
-                f"fullgraph=True)")
+                f"fullgraph=True). A transformers model's generate() calls the model itself, so a compiled "
+                f"wrapper's generate (compiled = torch.compile(model, ...); compiled.generate(...)) runs it "
+                f"uncompiled: compile the model in place, model.compile(backend='dsa_dcp', options=...), and call "
+                f"model.generate(...)")
 
         # While dynamo traces (fake tensors): the model's ops see a global-shaped stand-in, so
         # shapes propagate as on one device; the passes rewrite every such use before it runs.
