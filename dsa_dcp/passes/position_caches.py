@@ -17,7 +17,6 @@ way. Every other use of a position cache must be consumed by recognized attentio
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import operator
 
@@ -25,8 +24,8 @@ import torch
 import torch.fx as fx
 
 from dsa_dcp.ops_positions import POSITION_STORE
+from dsa_dcp.passes import fx as F
 from dsa_dcp.passes.errors import where
-from dsa_dcp.passes.graph import placeholder_values
 from dsa_dcp.position_cache import PositionLayout, local_positions, position_layout
 from dsa_dcp.slots import localize_slots
 
@@ -34,7 +33,7 @@ from dsa_dcp.slots import localize_slots
 def position_caches(gm: fx.GraphModule, example_inputs: tuple) -> dict[fx.Node, PositionLayout]:
     """Each placeholder whose real tensor is a position cache -> its layout."""
     found = {}
-    for node, value in placeholder_values(gm, example_inputs).items():
+    for node, value in F.placeholder_values(gm, example_inputs).items():
         layout = position_layout(value)
         if layout is not None:
             found[node] = layout
@@ -47,57 +46,6 @@ def layout_problems(cache: fx.Node, layout: PositionLayout, dcp_size: int, inter
                 f"{layout.interleave} but compiled for dcp_size={dcp_size}, interleave={interleave}; allocate it "
                 f"with those options"]
     return []
-
-
-# --------------------------------------------------------------------------- example values
-
-
-def graph_fake_mode(graph: fx.Graph):
-    """The fake mode of the graph's computed values (with tensor-subclass inputs, dynamo may give
-    the placeholders' example values another one)."""
-    for n in graph.nodes:
-        v = n.meta.get("example_value")
-        if n.op != "placeholder" and isinstance(v, torch._subclasses.fake_tensor.FakeTensor):
-            return v.fake_mode
-    values = [n.meta.get("example_value") for n in graph.nodes]
-    return torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)])
-
-
-def set_example_value(node: fx.Node) -> None:
-    """Run ``node`` on its arguments' example values, in the graph's fake mode, as dynamo records them."""
-    mode = graph_fake_mode(node.graph)
-
-    def value(a):
-        if isinstance(a, fx.Node):
-            v = a.meta["example_value"]
-            if isinstance(v, torch._subclasses.fake_tensor.FakeTensor) and mode is not None and v.fake_mode is not mode:
-                with mode:  # the same shape in the graph's mode
-                    v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-            return v
-        if isinstance(a, (list, tuple)):
-            return type(a)(value(x) for x in a)
-        return a
-
-    args, kwargs = value(node.args), {k: value(v) for k, v in node.kwargs.items()}
-    with mode if mode is not None else contextlib.nullcontext():
-        if node.op == "call_method":
-            result = getattr(args[0], node.target)(*args[1:], **kwargs)
-        else:
-            result = node.target(*args, **kwargs)
-    node.meta["example_value"] = result
-
-
-def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
-    """``graph.call_function`` with its example value set."""
-    node = graph.call_function(target, args, kwargs)
-    set_example_value(node)
-    return node
-
-
-def method(graph: fx.Graph, name: str, *args, **kwargs) -> fx.Node:
-    node = graph.call_method(name, args, kwargs)
-    set_example_value(node)
-    return node
 
 
 # --------------------------------------------------------------------------- writes
@@ -142,29 +90,19 @@ def match_write(node: fx.Node, cache: fx.Node, layout: PositionLayout) -> tuple[
         if not (batch.start in (None, 0) and batch.step in (None, 1)) or pos.step not in (None, 1) \
                 or not all(_is_full_slice(i) for i in index[1:dim] + index[dim + 1:]):
             return None, "a slice write other than cache[:b, start:end] = rows"
-        got = list(rows.meta["example_value"].shape)
+        got = F.shape(rows)
         if len(got) != len(layout_shape(cache)):
             return None, f"rows of shape {got} broadcast into the cache"
         start = 0 if pos.start is None else pos.start
         end = pos.stop if pos.stop is not None else layout.length
         return PositionWrite(node, cache, rows, dim, start=start, end=end), ""
-    if node.op in ("call_function", "call_method") and _mutates_first_arg(node) and node.args \
-            and node.args[0] is cache:
+    if node.args and node.args[0] is cache and F.mutates(node, cache):
         return None, "an in-place op on the cache"
     return None, ""
 
 
 def layout_shape(cache: fx.Node) -> list:
-    return list(cache.meta["example_value"].shape)
-
-
-def _mutates_first_arg(node: fx.Node) -> bool:
-    target = node.target
-    if node.op == "call_method":
-        return isinstance(target, str) and target.endswith("_") and not target.startswith("__")
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
-    return target in (operator.setitem, operator.iadd, operator.imul, operator.isub, operator.itruediv)
+    return F.shape(cache)
 
 
 def localize_writes(gm: fx.GraphModule, writes: list[PositionWrite], local: dict[fx.Node, fx.Node],
@@ -173,6 +111,7 @@ def localize_writes(gm: fx.GraphModule, writes: list[PositionWrite], local: dict
     graph = gm.graph
     localized: dict[object, fx.Node] = {}
     for w in writes:
+        emit = F.Emitter(graph, like=w.node)
         with graph.inserting_before(w.node):
             if w.positions is not None:
                 key = w.positions
@@ -182,9 +121,9 @@ def localize_writes(gm: fx.GraphModule, writes: list[PositionWrite], local: dict
                 positions = None
             if key not in localized:
                 if positions is None:
-                    positions = call(graph, torch.arange, w.start, w.end, device=w.rows.meta["example_value"].device)
-                localized[key] = call(graph, localize_slots, positions, dcp_size, rank, interleave)
-            call(graph, POSITION_STORE, local[w.cache], localized[key], w.rows, w.dim)
+                    positions = emit(torch.arange, w.start, w.end, device=F.example(w.rows).device)
+                localized[key] = emit(localize_slots, positions, dcp_size, rank, interleave)
+            emit(POSITION_STORE, local[w.cache], localized[key], w.rows, w.dim)
         w.node.replace_all_uses_with(w.cache)  # an in-place write returns its target
         graph.erase_node(w.node)
     return len(localized)
@@ -198,8 +137,8 @@ def insert_local_views(gm: fx.GraphModule, caches, example_inputs: tuple) -> dic
     """One ``local_positions(cache)`` node per position cache, right after the placeholders."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    real = placeholder_values(gm, example_inputs)
-    mode = graph_fake_mode(graph)
+    real = F.placeholder_values(gm, example_inputs)
+    mode = F.fake_mode_of(graph)
     local = {}
     with graph.inserting_after(placeholders[-1]):
         for cache in reversed(list(caches)):
