@@ -96,7 +96,7 @@ def test_emitter_gives_every_node_its_value_and_layer():
     with gm.graph.inserting_after(relu):
         full = emit(torch.full, (2, 3), 1.5, dtype=torch.float64)
         flat = emit.method("flatten", full, 0)
-    assert F.shape(full) == [2, 3] and F.dtype(full) == torch.float64
-    assert F.shape(flat) == [6] and flat.op == "call_method"
+    assert F.shape(full) == (2, 3) and F.dtype(full) == torch.float64
+    assert F.shape(flat) == (6,) and flat.op == "call_method"
     assert full.meta["dsa_dcp_layer"] == flat.meta["dsa_dcp_layer"] == 7
     assert full.meta.get("stack_trace") == relu.meta.get("stack_trace")

@@ -59,6 +59,36 @@ def target_name(target: object) -> str:
     return getattr(target, "__name__", str(target))
 
 
+# One name per tensor op however it is spelled: a method, a torch function or a Python operator
+# (``x & y``, ``torch.logical_and``, ``x.bitwise_and`` are all "and").
+_OPERATOR_NAMES = {operator.add: "add", operator.mul: "mul", operator.matmul: "matmul", operator.getitem: "getitem",
+                   operator.and_: "and", operator.or_: "or", operator.invert: "not", operator.eq: "eq",
+                   operator.ne: "ne", operator.le: "le", operator.lt: "lt", operator.ge: "ge", operator.gt: "gt"}
+_SPELLINGS = {"logical_and": "and", "bitwise_and": "and", "__and__": "and", "logical_or": "or", "bitwise_or": "or",
+              "__or__": "or", "logical_not": "not", "bitwise_not": "not", "__invert__": "not", "less_equal": "le",
+              "less": "lt", "greater_equal": "ge", "greater": "gt", "__le__": "le", "__lt__": "lt", "__ge__": "ge",
+              "__gt__": "gt", "__eq__": "eq", "__ne__": "ne", "not_equal": "ne", "__add__": "add", "__mul__": "mul",
+              "__matmul__": "matmul", "__getitem__": "getitem"}
+
+
+def op_name(node: object) -> str | None:
+    """The op's one name for tensor methods, torch functions and operators (``None`` for anything else,
+    ATen overloads included: those are named by ``target_name``)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method":
+        return _SPELLINGS.get(node.target, node.target)
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target in _OPERATOR_NAMES:
+        return _OPERATOR_NAMES[target]
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or not _is_torch_function(target):
+        return None
+    name = getattr(target, "__name__", None)
+    return _SPELLINGS.get(name, name)
+
+
 def calls(node: object, functions=(), methods=()) -> bool:
     """``node`` is a ``call_function`` of one of ``functions`` or a ``call_method`` of one of ``methods``."""
     if not isinstance(node, fx.Node):
@@ -81,10 +111,10 @@ def example(node: object) -> Any:
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
-def shape(node: object) -> list | None:
-    """``node``'s recorded shape (``None`` if it is not a tensor)."""
+def shape(node: object) -> tuple | None:
+    """``node``'s recorded shape, a tuple (``None`` if it is not a tensor)."""
     value = example(node)
-    return list(value.shape) if isinstance(value, torch.Tensor) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def dtype(node: object) -> torch.dtype | None:

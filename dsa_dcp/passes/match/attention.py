@@ -270,7 +270,7 @@ def match_latent_kv(key: fx.Node, value: fx.Node, caches: PositionCaches) -> Lat
         return None
     b, _, t, dc = F.shape(latent)
     heads = F.shape(kv)[1]
-    if F.shape(view) != [b, t, heads, nope + v] or F.shape(weight) != [heads * (nope + v), dc]:
+    if F.shape(view) != (b, t, heads, nope + v) or F.shape(weight) != (heads * (nope + v), dc):
         return None
     # k = new_empty(..); k[..., :nope].copy_(k_nope); k[..., nope:].copy_(rope.expand(-1, H, -1, -1))
     copies, expansion = {}, {linear, view, kv, split, value, key}
@@ -294,7 +294,7 @@ def match_latent_kv(key: fx.Node, value: fx.Node, caches: PositionCaches) -> Lat
             and F.shape(k_rope)[1] == heads and F.shape(k_rope)[2] == t):
         return None
     rope = k_rope.args[0]
-    if F.shape(key) != [b, heads, t, nope + F.shape(rope)[3]]:
+    if F.shape(key) != (b, heads, t, nope + F.shape(rope)[3]):
         return None
     return LatentKV(latent, rope, weight, heads, nope, v, expansion | {k_nope, k_rope})
 
