@@ -80,7 +80,7 @@ def validate(gm: fx.GraphModule, ctx: CompileContext, pipeline: Pipeline
                         "cuda_graphs=False")
     problems += cache_layout_problems(gm, ctx)
     if ctx.dcp_size == 1:
-        return {}, problems, []
+        return {}, grouped(problems), []
     problems += group_agreement_problems(gm, ctx)  # first, so no peer waits on a rank that refuses
     if on_cuda and opts.cuda_graphs is not False and ctx.group_name is not None:
         problem = graph_capture_problem(_group_backend(ctx.group_name))

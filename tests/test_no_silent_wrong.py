@@ -129,6 +129,44 @@ def test_a_cache_allocated_for_a_group_is_refused_without_options():
     assert "pass options={'dcp_size': 2, ...}" in problem
 
 
+def _position_cache_step(kind: str):
+    """A model whose position caches were allocated for 2 ranks, compiled without DCP options: the
+    plain model after ``shard_position_caches``, or a transformers model generating with
+    ``DCPStaticCache(dcp_size=2)``."""
+    if kind == "plain":
+        from dsa_dcp.models.plain import Transformer, init_weights, tiny_args
+        from dsa_dcp.position_cache import shard_position_caches
+
+        model = init_weights(Transformer(tiny_args(max_seq_len=8)), seed=0).eval()
+        shard_position_caches(model, ("kv_cache", "pe_cache"), dcp_size=2)
+        step = torch.compile(model, backend="dsa_dcp", fullgraph=True)
+        return lambda: step(torch.randint(0, 64, (2, 3)), 0)
+    from dsa_dcp.integrations.transformers import DCPStaticCache, left_padded_prompts, tiny_model
+
+    model = tiny_model("deepseek_v32")
+    model.compile(backend="dsa_dcp", fullgraph=True)
+    ids, mask = left_padded_prompts((3, 4), model.config.vocab_size)
+    cache = DCPStaticCache(model.config, max_cache_len=8, batch_size=2, dcp_size=2)
+    return lambda: model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("kind", ["plain", "transformers"])
+def test_a_position_cache_allocated_for_a_group_is_refused_without_options(kind):
+    """Regression: the lowering's internal ``AssertionError: position cache ... is used whole``."""
+    if kind == "transformers":
+        pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    run = _position_cache_step(kind)
+    with pytest.raises(Exception) as err, torch.no_grad():
+        run()
+    cause = _root_cause(err.value)
+    assert isinstance(cause, DCPValidationError), repr(err.value)
+    assert cause.problems and all("was allocated for dcp_size=2, interleave=1 (this rank holds 4 of its 8 positions) "
+                                  "but compiled for dcp_size=1; pass options={'dcp_size': 2, 'interleave': 1, ...}" in p
+                                  for p in cause.problems), cause.problems
+    assert cause.problems[0].startswith("position cache "), cause.problems
+
+
 def test_a_dcp_compilation_that_rewrites_nothing_says_so():
     torch._dynamo.reset()
     with fake_group(2):
