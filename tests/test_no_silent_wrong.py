@@ -216,6 +216,81 @@ def test_ranks_compiled_with_different_options_are_refused_naming_the_values():
             assert any(expected in p for p in problems), problems
 
 
+# --------------------------------------------------------------------------- a page past the pool
+
+POOL = 100  # slots; pages of 4 (the tiny configs' page size): page 25 holds slots 100..103
+PAST_THE_POOL = [  # (index cache, interleave, where page 25 is)
+    ("sharded", 4, "written"),  # generated tokens: slots 100..103 fell into rank 1's spare rows
+    ("replicated", 1, "one_slot"),  # only slot 100 is written: its owner alone raised, its peer waited
+    ("sharded", 1, "future"),  # a page no row writes yet: only the indexer reads it
+]
+
+
+def _past_the_pool_batch(cfg, where):
+    import dataclasses
+
+    from dsa_dcp.models import make_requests
+
+    batch = make_requests(cfg, [3, 1 if where == "one_slot" else 2], max_new_tokens=3, num_slots=POOL, seed=3)
+    page_table = batch.page_table.clone()
+    page_table[1, -1 if where == "future" else 0] = 25
+    return dataclasses.replace(batch, page_table=page_table)
+
+
+def _first_error(fn):
+    try:
+        with torch.no_grad():
+            fn()
+    except Exception as e:  # noqa: BLE001 - the test compares it
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _past_the_pool_rank(rank, world):
+    from dsa_dcp.models import DSAModel, generate, get_config
+
+    cfg = get_config("deepseek-v3.2-tiny", n_layers=2)
+    errors = {}
+    for index_cache, interleave, where in PAST_THE_POOL:
+        torch._dynamo.reset()
+        model = DSAModel(cfg, POOL, dcp_size=world, interleave=interleave, index_cache=index_cache, seed=1)
+        step = torch.compile(model, backend="dsa_dcp", fullgraph=True, options={
+            "dcp_size": world, "lowering": "fx", "interleave": interleave, "index_cache": index_cache})
+        errors[where] = _first_error(lambda: generate(step, _past_the_pool_batch(cfg, where), 1, pad_to=8))
+    # a top-k the step is given, one past the pool
+    torch._dynamo.reset()
+    cache = dsa_dcp.allocate_kv_cache(S, DC + DR, dcp_size=world)
+    q_nope, q_pe, topk, _, _ = _inputs(4)
+    topk[1, 0] = S
+    read = torch.compile(decode, backend="dsa_dcp", options={"dcp_size": world, "merge": "ag"}, fullgraph=True)
+    errors["topk"] = _first_error(lambda: read(q_nope, q_pe, cache, topk))
+    return errors
+
+
+def test_a_page_past_the_pool_raises_the_single_rank_error_on_every_rank():
+    """Regression: with a sharded index cache and interleave 4 the step generated tokens; elsewhere only the
+    owning rank raised and its peers waited out the collective timeout. Now every rank raises the
+    single-rank model's IndexError, before any collective (default lowering for the top-k case)."""
+    from dsa_dcp.models import DSAModel, generate, get_config
+
+    cfg = get_config("deepseek-v3.2-tiny", n_layers=2)
+    single = {where: _first_error(lambda: generate(DSAModel(cfg, POOL, seed=1), _past_the_pool_batch(cfg, where), 1,
+                                                   pad_to=8))
+              for _, _, where in PAST_THE_POOL}
+    q_nope, q_pe, topk, _, _ = _inputs(4)
+    topk[1, 0] = S
+    single["topk"] = _first_error(lambda: decode(q_nope, q_pe, torch.zeros(S, DC + DR), topk))
+    for where, err in single.items():
+        assert err.startswith("IndexError: index ") and "is out of bounds for dimension 0 with size" in err, err
+    ranks = run_on_ranks(_past_the_pool_rank, 2, timeout=300)
+    for where, err in single.items():
+        for errors in ranks:
+            assert errors[where].startswith(err + ": "), (where, errors[where], err)
+            assert "past the KV pool" in errors[where] and "so every rank raises this" in errors[where]
+    assert "page 25 of request 1" in ranks[0]["future"] and "holds slots 100 to 103" in ranks[0]["future"]
+    assert "of the step's top-k input" in ranks[0]["topk"]
+
+
 # --------------------------------------------------------------------------- a step retried on one rank
 
 _fault = {"rank": -1, "call": -1, "calls": 0}

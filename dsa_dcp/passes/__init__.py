@@ -21,6 +21,7 @@ from dsa_dcp.passes.indexer import IndexerKernels
 from dsa_dcp.passes.kv_writes import LocalizeKVWrites
 from dsa_dcp.passes.recognize_attention import RecognizeSparseAttention
 from dsa_dcp.passes.share_remaps import ShareRemaps
+from dsa_dcp.passes.slot_bounds import SlotBounds
 from dsa_dcp.position_cache import PositionShardedCache
 
 
@@ -49,4 +50,5 @@ def build_pipeline(ctx: CompileContext) -> Pipeline:
         # models written elsewhere: dense top-k-masked attention over position caches (docs/models.md)
         normalize.append(RecognizeSparseAttention())
     rewrite.append(FuseRemaps())
+    rewrite.append(SlotBounds())  # last: it checks the global slot ids the other passes' nodes read
     return Pipeline(normalize + indexer, rewrite)
