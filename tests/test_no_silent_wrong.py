@@ -216,6 +216,45 @@ def test_ranks_compiled_with_different_options_are_refused_naming_the_values():
             assert any(expected in p for p in problems), problems
 
 
+def _one_token_differs_rank(rank, world, debug_checks):
+    """Greedy generation over the standard schedule; on rank 1 one token of one step differs."""
+    from dsa_dcp.debug_checks import DCPRuntimeCheckError
+    from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
+
+    cfg = get_config("deepseek-v3.2-tiny", n_layers=2)
+    batch = standard_test_batch(cfg, max_new_tokens=3, seed=7)
+    torch._dynamo.reset()
+    model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=11)
+    step = torch.compile(model, backend="dsa_dcp", fullgraph=True,
+                         options={"dcp_size": world, "lowering": "fx", "debug_checks": debug_checks})
+    calls = []
+
+    def fed(input_ids, positions, req_ids, slots, page_table):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:  # the second step: one row's token differs on rank 1
+            input_ids = input_ids.clone()
+            input_ids[1] = (input_ids[1] + 1) % cfg.vocab_size
+        return step(input_ids, positions, req_ids, slots, page_table)
+
+    try:
+        with torch.no_grad():
+            return generate(fed, batch, 3, pad_to=16).tokens
+    except DCPRuntimeCheckError as e:
+        return f"DCPRuntimeCheckError at step {len(calls)}: {e}"
+
+
+def test_a_token_that_differs_on_one_rank_is_named_by_the_debug_checks():
+    """Regression: one token changed on rank 1 for one step changed rank 0's tokens, and debug_checks did
+    not notice (the top-k agrees while the contexts are shorter than the top-k). The step-input check
+    names the input, the rank and the entry on every rank, before the step's first collective."""
+    wrong = run_on_ranks(_one_token_differs_rank, 2, False, timeout=300)
+    assert wrong[0] != wrong[1]  # without the checks: the contract is broken and the ranks disagree
+    for r in run_on_ranks(_one_token_differs_rank, 2, True, timeout=300):
+        assert r.startswith("DCPRuntimeCheckError at step 2: the ranks of the DCP group were given different step "
+                            "inputs: L['input_ids'] differs on ranks [1] from rank 0's (first at index 1: rank 1 has "), r
+        assert "Every rank of a DCP group must be fed the same inputs every step" in r, r
+
+
 # --------------------------------------------------------------------------- a page past the pool
 
 POOL = 100  # slots; pages of 4 (the tiny configs' page size): page 25 holds slots 100..103
