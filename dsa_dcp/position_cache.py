@@ -86,7 +86,10 @@ class PositionShardedCache(torch.Tensor):
                 f"{func} reached a DCP position cache ({shards[0]!r}) outside a program the dsa_dcp passes "
                 f"rewrote: the rank holds 1/{shards[0].dcp_layout.dcp_size} of its positions, so the model's code "
                 f"cannot run on it as written. Run the model through torch.compile(backend='dsa_dcp', "
-                f"options={{'dcp_size': {shards[0].dcp_layout.dcp_size}, ...}}, fullgraph=True)")
+                f"options={{'dcp_size': {shards[0].dcp_layout.dcp_size}, ...}}, fullgraph=True). If this is an "
+                f"operation on the cache outside the model's step (transformers' generate crops or reorders its "
+                f"caches for assisted decoding and beam search), a DCP cache does not support it, except beam "
+                f"search's reorder_cache on a DCPStaticCache")
 
         # While dynamo traces (fake tensors): the model's ops see a global-shaped stand-in, so
         # shapes propagate as on one device; the passes rewrite every such use before it runs.

@@ -330,6 +330,52 @@ def test_a_page_past_the_pool_raises_the_single_rank_error_on_every_rank():
     assert "of the step's top-k input" in ranks[0]["topk"]
 
 
+_PAST_THE_POOL_ON_CUDA = """
+import torch
+from dsa_dcp.ops import CHECK_SLOTS
+CHECK_SLOTS(torch.tensor([3, -1, 100], device="cuda"), 100, "the step's write slots")
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+def test_the_pool_checks_on_cuda_are_device_assertions_without_a_host_sync():
+    """On CUDA the checks never wait for the host (sync debug mode 'error'), Inductor keeps them and a
+    CUDA graph captures them; a slot past the pool fails the device-side assertion (in a process of its
+    own: the assertion ends the CUDA context)."""
+    import os
+    import subprocess
+    import sys
+
+    from dsa_dcp.ops import CHECK_PAGES, CHECK_SLOTS
+
+    slots = torch.tensor([3, -1, 99], device="cuda")
+    page_table = torch.tensor([[0, 24], [5, -1]], dtype=torch.int32, device="cuda")
+    req_ids = torch.tensor([0, 1, -1], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        checked, pages = CHECK_SLOTS(slots, 100, "slots"), CHECK_PAGES(page_table, req_ids, 4, 100)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(checked, slots) and torch.equal(pages, page_table)
+
+    def step(slots, page_table, req_ids):
+        return CHECK_SLOTS(slots, 100, "slots") * 2, CHECK_PAGES(page_table, req_ids, 4, 100) + 1
+
+    compiled = torch.compile(step, backend="inductor", mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        out = compiled(slots, page_table, req_ids)
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], slots * 2) and torch.equal(out[1], page_table + 1)
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", _PAST_THE_POOL_ON_CUDA], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode != 0, proc.stdout
+    assert "device-side assert" in proc.stderr or "Assertion" in proc.stderr, proc.stderr[-2000:]
+
+
 # --------------------------------------------------------------------------- a step retried on one rank
 
 _fault = {"rank": -1, "call": -1, "calls": 0}

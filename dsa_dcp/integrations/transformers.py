@@ -192,8 +192,10 @@ class DCPGroupSampling(LogitsProcessor):
         import torch.distributed as dist
 
         root = dist.get_global_rank(self.group, self.src) if self.group is not None else self.src
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(self.group) == "nccl" else tensor.device  # NCCL moves CUDA tensors only
+        # NCCL moves CUDA tensors only; any other backend (gloo) gets host tensors (gloo's collectives
+        # on CUDA tensors go through the host anyway, and its all-gather of them crashes)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
+            else torch.device("cpu")
         moved = tensor.to(device).contiguous()
         dist.broadcast(moved, src=root, group=self.group)
         return moved.to(tensor.device)
@@ -241,9 +243,15 @@ def _install_group_sampling() -> None:
     import functools
     import inspect
 
+    import transformers
     from transformers.generation.utils import GenerationMixin
 
-    original = GenerationMixin._get_logits_processor
+    original = getattr(GenerationMixin, "_get_logits_processor", None)
+    if original is None:  # refuse loudly: without it ranks seeded differently would sample different tokens
+        raise ImportError(
+            f"dsa_dcp.integrations.transformers makes generate agree on sampled tokens over the DCP group by "
+            f"wrapping GenerationMixin._get_logits_processor, which transformers {transformers.__version__} does "
+            f"not have (written against 5.17.0)")
     if getattr(original, "_dsa_dcp_group_sampling", False):
         return
     signature = inspect.signature(original)
