@@ -62,13 +62,19 @@ def gather_header(payload: int, position: int, dcp_size: int, group_name: str, d
     count = _checks_run[group_name] = _checks_run.get(group_name, 0) + 1
     headers = _all_gather(torch.tensor([count, position, payload], dtype=torch.int64, device=device), dcp_size,
                           group_name).tolist()
-    if any(h != headers[0] for h in headers):
+    if any(h[:2] != headers[0][:2] for h in headers):
         where = ", ".join(f"rank {r}: check {c} at {_where(p)}" for r, (c, p, _) in enumerate(headers))
         raise DCPRuntimeCheckError(
             f"the ranks of the DCP group are out of step ({where}): a rank retried or skipped part of a step, so "
             f"its collectives would pair with another layer's. After any rank fails a step, every rank must "
             f"abandon it (docs/validation.md, 'After a failed step')"
         )
+    if any(h != headers[0] for h in headers):  # the same check of steps of different shapes
+        sizes = ", ".join(f"rank {r}: {n}" for r, (_, _, n) in enumerate(headers))
+        raise DCPRuntimeCheckError(
+            f"the ranks of the DCP group ran a step of different shapes: {_where(position)} checks a different "
+            f"number of entries on each ({sizes}); every rank must be fed the same step inputs "
+            f"(docs/validation.md, 'Every rank feeds the same step inputs')")
 
 
 def gather_step(topk: Tensor, position: int, dcp_size: int, group_name: str) -> Tensor:
@@ -123,6 +129,8 @@ def check_step_inputs(inputs: list, names: list[str], dcp_size: int, group_name:
     ``DCPRuntimeCheckError`` on every rank, naming the input, the ranks, and the first differing entry."""
     device = next((x.device for x in inputs if isinstance(x, Tensor)), torch.device("cpu"))
     gather_header(len(inputs), STEP_INPUTS_POSITION, dcp_size, group_name, device)
+    if not inputs:
+        return
     mine = torch.tensor([input_digest(x) for x in inputs], dtype=torch.int64, device=device)
     digests = _all_gather(mine, dcp_size, group_name)  # [N, F]
     differ = (digests != digests[0]).any(dim=0)

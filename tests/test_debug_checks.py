@@ -28,6 +28,8 @@ def _topk(rank, case):
         topk[2, :2] = torch.tensor(DIFFERENT[case][min(rank, 1)])
     if case == "range_on_one_rank" and rank == 1:
         topk[1, 3] = S  # one past the pool, on rank 1 only
+    if case == "rows_on_one_rank" and rank == 1:
+        topk = topk[:2]  # a step of another shape on rank 1: the header tells, before the rows travel
     return topk
 
 
@@ -47,7 +49,7 @@ def _check_rank(rank, world, cases):
 
 
 def test_different_top_k_rows_are_caught_whatever_their_sums():
-    cases = [*DIFFERENT, "range_on_one_rank", "same"]
+    cases = [*DIFFERENT, "range_on_one_rank", "same", "rows_on_one_rank", "same"]
     results = run_on_ranks(_check_rank, 2, cases, timeout=120)
     for case in DIFFERENT:
         ours, theirs = DIFFERENT[case]
@@ -60,7 +62,11 @@ def test_different_top_k_rows_are_caught_whatever_their_sums():
     for r in results:
         assert r["range_on_one_rank"] == ("DCPRuntimeCheckError: layer 3: row 1 holds top-k slot 24 at position 3, "
                                           "outside [-1, 24) (on ranks [1])")
-        assert r["same"] == "ok"
+        assert r["same"] == "ok"  # the last case: the checks pair again after the shapes differed
+        assert r["rows_on_one_rank"] == ("DCPRuntimeCheckError: layer 3: the ranks of the DCP group ran a step of "
+                                         "different shapes: graph position 5 checks a different number of entries "
+                                         "on each (rank 0: 15, rank 1: 10); every rank must be fed the same step "
+                                         "inputs (docs/validation.md, 'Every rank feeds the same step inputs')")
 
 
 def _compiled_rank(rank, world):
