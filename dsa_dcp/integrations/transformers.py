@@ -172,7 +172,6 @@ class DCPStaticCache(StaticCache):
 # --------------------------------------------------------------------------- sampling under DCP
 
 
-
 class DCPGroupSampling(LogitsProcessor):
     """A logits processor that makes every rank of a group choose the token rank ``src`` chooses.
 
