@@ -18,7 +18,7 @@ A tensor the step writes in place (a top-k edited between layers) is checked bef
 instead, so that no reader sees a copy taken before the edit. ``S`` is the smallest pool of the caches involved (their recorded layout, or a replicated index
 cache's rows). Every rank checks the same global ids (the group feeds the same step inputs), so all
 raise or none does. The checks are ``dsa_dcp.ops.CHECK_SLOTS`` / ``CHECK_PAGES``: a host-side check of
-CPU tensors, a device-side assertion on CUDA (no host sync, CUDA-graph safe); each costs one
+CPU tensors, a device-side assertion on CUDA (no host sync); each costs one
 elementwise pass over ``T`` slots or ``T x max_pages`` pages per step. A top-k computed inside the
 step comes from the page table (checked) or from the model's own gather of a replicated cache
 (which raises on every rank alike).
