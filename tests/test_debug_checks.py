@@ -131,3 +131,20 @@ def test_a_top_k_that_differs_inside_a_compiled_step_is_caught_at_its_layer():
                             "(first at position "), r
         assert "is the indexer or its key cache different on some rank?" in r
     assert run_on_ranks(_corrupt_index_cache_rank, 2, False, timeout=120) == ["ok", "ok"]
+
+
+def test_the_step_inputs_are_the_steps_arguments_not_its_weights_buffers_or_caches():
+    """What the step-input check digests for DSAModel: its five arguments; not the weights, the rope
+    buffers (a rank's own state) or the KV and index caches (split over the group, or written by the step)."""
+    from dsa_dcp.inspect.targets import fake_group
+    from dsa_dcp.models import DSAModel, get_config
+    from dsa_dcp.models.runner import decode_step_inputs
+
+    torch._dynamo.reset()
+    cfg = get_config("deepseek-v3.2-tiny", n_layers=2)
+    inputs, num_slots = decode_step_inputs(cfg, 2, 5, "cpu")
+    with fake_group(2), torch.no_grad():
+        model = DSAModel(cfg, num_slots, dcp_size=2)
+        torch.compile(model, backend="dsa_dcp", options={"dcp_size": 2, "debug_checks": True}, fullgraph=True)(*inputs)
+    checked = dsa_dcp.backend_report().stats()["step_inputs"]["step_inputs_checked"]
+    assert sorted(checked) == sorted(f"L['{n}']" for n in ("input_ids", "positions", "req_ids", "slots", "page_table"))

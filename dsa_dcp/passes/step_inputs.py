@@ -9,9 +9,10 @@ shorter than the top-k).
 Expects: any DCP graph (it runs last and only inserts). Leaves, with ``debug_checks=True``, one
 ``check_step_inputs(inputs, names, N, group)`` call right after the placeholders, before any other
 node and so before the step's first collective. Its inputs are the step's tensor inputs but the
-weights (``nn.Parameter``) and the caches (a KV or index cache, a position cache, or any input the
-step writes in place: state that is split over the group, or derived from earlier steps' inputs,
-which this check covered then). Each is named by where dynamo found it (``L['input_ids']``).
+weights (``nn.Parameter``), the model's buffers (its own state: under tensor or expert parallelism a
+rank may hold its own share of one) and the caches (a KV or index cache, a position cache, or any
+input the step writes in place: state that is split over the group, or derived from earlier steps'
+inputs, which this check covered then). Each is named by where dynamo found it (``L['input_ids']``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def step_inputs(gm: fx.GraphModule, example_inputs: tuple) -> list[fx.Node]:
             continue
         if node in written or kv_layout(value) is not None or is_index_cache(value):
             continue
+        if any(part in input_name(node) for part in ("._buffers[", "._parameters[")):
+            continue  # the model's own state, as its weights: under TP or EP a rank may hold its own share
         found.append(node)
     return found
 
