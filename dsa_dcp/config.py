@@ -14,6 +14,9 @@ LOWERINGS = ("fx", "inductor")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 INDEX_CACHES = ("replicated", "sharded")
+# Sizes reach the kernels as 32-bit integer arguments (Triton's default for Python ints), and a slot
+# id's owner is computed with ``dcp_size * interleave``: both must fit.
+MAX_SIZE = 2**31 - 1
 
 
 class OptionsError(ValueError):
@@ -63,7 +66,7 @@ class DCPOptions:
                   ``-no-cudagraphs`` also means ``cuda_graphs=False`` unless given.
 
     Every value is checked by type: flags are ``True``/``False`` (not ``1``/``0``), sizes are
-    ``int`` (not ``bool`` or ``float``).
+    ``int`` (not ``bool`` or ``float``) in ``[1, MAX_SIZE]``, and ``dcp_size * interleave <= MAX_SIZE``.
     """
 
     dcp_size: int = 1
@@ -126,10 +129,16 @@ class DCPOptions:
             return isinstance(value, int) and not isinstance(value, bool)
 
         def positive_int(value: object) -> bool:
-            return is_int(value) and value >= 1
+            return is_int(value) and 1 <= value <= MAX_SIZE
+
+        def size_problem(name: str, value: object, what: str = "an integer >= 1") -> str:
+            if is_int(value) and value > MAX_SIZE:
+                return (f"{name} must be at most {MAX_SIZE} (sizes reach the kernels as 32-bit integers), got "
+                        f"{value!r}")
+            return f"{name} must be {what}, got {value!r}"
 
         if not positive_int(self.dcp_size):
-            p.append(f"dcp_size must be an integer >= 1, got {self.dcp_size!r}")
+            p.append(size_problem("dcp_size", self.dcp_size))
         if not _is_group(self.group):
             p.append(f"group must be None (the world group), a torch.distributed ProcessGroup or a group "
                      f"name (str), got {type(self.group).__name__} {self.group!r}")
@@ -139,7 +148,10 @@ class DCPOptions:
         if not _member(self.merge, MERGE_MODES):
             p.append(f"merge must be one of {list(MERGE_MODES)}, got {self.merge!r}")
         if not positive_int(self.interleave):
-            p.append(f"interleave must be an integer >= 1, got {self.interleave!r}")
+            p.append(size_problem("interleave", self.interleave))
+        elif positive_int(self.dcp_size) and self.dcp_size * self.interleave > MAX_SIZE:
+            p.append(f"dcp_size * interleave must be at most {MAX_SIZE} (the kernels compute slot owners with it "
+                     f"in 32-bit integers), got {self.dcp_size} * {self.interleave}")
         if not _member(self.lowering, LOWERINGS):
             p.append(f"lowering must be one of {list(LOWERINGS)}, got {self.lowering!r}")
         for flag in ("share_remaps", "allow_multi_host", "debug_checks", "indexer_kernels"):
@@ -153,9 +165,10 @@ class DCPOptions:
             and all(positive_int(b) for b in self.batch_sizes)
             and list(self.batch_sizes) == sorted(set(self.batch_sizes))
         ):
-            p.append(f"batch_sizes must be a non-empty increasing list of integers >= 1, got {self.batch_sizes!r}")
+            p.append(f"batch_sizes must be a non-empty increasing list of integers >= 1 (at most {MAX_SIZE}), got "
+                     f"{self.batch_sizes!r}")
         if self.page_size is not None and not positive_int(self.page_size):
-            p.append(f"page_size must be None or an integer >= 1, got {self.page_size!r}")
+            p.append(size_problem("page_size", self.page_size, "None or an integer >= 1"))
         if not _member(self.mode, MODES):
             p.append(f"mode must be one of {list(MODES)}, got {self.mode!r}")
         elif self.mode in _AUTOTUNE_MODES and self.lowering == "fx":

@@ -7,6 +7,9 @@ backend raises (``BackendCompilerFailed``; an error raised while tracing, such a
 
 - parses the options (``DCPOptions.parse``) before anything is traced, so a bad key or value
   raises ``OptionsError`` at once, naming the option, the value and what is allowed;
+- checks ``torch.compile``'s own flags by type (``fullgraph`` is ``True``/``False``, ``dynamic``
+  is ``None``/``True``/``False``: ``torch.compile`` itself accepts ``fullgraph="yes"`` and fails on
+  ``dynamic="no"`` deep inside dynamo);
 - then calls ``torch.compile(model, backend="dsa_dcp", ...)`` with ``fullgraph=True`` and
   ``dynamic=False`` unless given (a DCP step must never fall back to the model's own code, and
   an engine pads rows to fixed buckets);
@@ -23,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from dsa_dcp.config import DCPOptions
+from dsa_dcp.config import DCPOptions, OptionsError
 from dsa_dcp.conventions import options_with_mode
 
 
@@ -72,6 +75,17 @@ def unwrapping_dcp_errors(fn: Callable) -> Callable:
     return call
 
 
+def compile_flag_problems(fullgraph: object, dynamic: object) -> list[str]:
+    """One message per bad ``torch.compile`` flag given to ``dsa_dcp.compile`` (checked by type, as the
+    options are: a string or an int is not a flag)."""
+    problems = []
+    if not isinstance(fullgraph, bool):
+        problems.append(f"fullgraph must be True or False, got {fullgraph!r}")
+    if not (dynamic is None or isinstance(dynamic, bool)):
+        problems.append(f"dynamic must be None, True or False, got {dynamic!r}")
+    return problems
+
+
 def compile(model: Any = None, *, fullgraph: bool = True, dynamic: bool | None = False, mode: str | None = None,
             **options: Any) -> Any:
     """``torch.compile(model, backend="dsa_dcp", options=options)``, with the options parsed now.
@@ -82,6 +96,9 @@ def compile(model: Any = None, *, fullgraph: bool = True, dynamic: bool | None =
     tracing. Without ``model``, returns a decorator. See the module docstring.
     """
     opts = DCPOptions.parse(options_with_mode(options, mode))
+    flag_problems = compile_flag_problems(fullgraph, dynamic)
+    if flag_problems:
+        raise OptionsError("invalid torch.compile flags:\n  " + "\n  ".join(flag_problems))
     if model is None:
         return lambda m: compile(m, fullgraph=fullgraph, dynamic=dynamic, mode=mode, **options)
     compiled = torch.compile(model, backend="dsa_dcp", options=opts, fullgraph=fullgraph, dynamic=dynamic)

@@ -43,6 +43,11 @@ import torch.multiprocessing as mp
 FAILURE_GRACE_S = 2.0
 # How long a finished run waits for its ranks to exit before it kills them.
 EXIT_GRACE_S = 5.0
+# The process group's timeout when none is given (``run_on_ranks``, and ``init_from_env`` on gloo):
+# how long a rank waits for a peer that hangs (a peer that dies is seen at once) before it fails,
+# so a run with a hung rank ends within about a minute. Long enough for one rank to compile a step
+# (Inductor included) while another waits in the collective or the compile-time agreement after it.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 
 
 class RankError(RuntimeError):
@@ -313,8 +318,9 @@ def run_on_ranks(
     ``fn``, ``args`` and ``before_join`` must be picklable (module-level functions).
 
     - ``timeout``: seconds for the whole run; ranks not done by then are stopped.
-    - ``collective_timeout``: the process group's timeout (default ``timeout``): how long a rank
-      waits for the others to join and inside any one collective before gloo raises.
+    - ``collective_timeout``: the process group's timeout (default ``DEFAULT_COLLECTIVE_TIMEOUT_S``,
+      60 s, or ``timeout`` when that is shorter): how long a rank waits for the others to join,
+      inside any one collective, and in the backend's compile-time agreement, before it raises.
     - ``before_join``: called as ``before_join(rank, world_size)`` in each rank before it calls
       ``init_process_group`` (environment set-up; tests use it to make a rank never join).
 
@@ -325,7 +331,8 @@ def run_on_ranks(
     _refuse_unguarded_main()
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    collective_timeout = timeout if collective_timeout is None else collective_timeout
+    if collective_timeout is None:
+        collective_timeout = min(timeout, DEFAULT_COLLECTIVE_TIMEOUT_S)
     if collective_timeout <= 0:
         raise ValueError(f"collective_timeout must be > 0 seconds, got {collective_timeout}")
     ctx = mp.get_context("spawn")
@@ -379,13 +386,17 @@ def init_from_env(backend: str | None = None, timeout: float | None = None) -> t
     """Initialize the default group from ``torchrun``'s environment; returns ``(rank, world_size)``.
 
     NCCL with one GPU per local rank when CUDA is available, gloo otherwise. ``timeout`` (seconds)
-    is the process group's timeout for joining and for each collective (torch's default if None).
+    is the process group's timeout for joining and for each collective; ``None`` means
+    ``DEFAULT_COLLECTIVE_TIMEOUT_S`` on gloo (CPU ranks: a hung peer ends the run within about a
+    minute) and torch's default on NCCL (its watchdog and ``TORCH_NCCL_*`` settings apply).
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
+        if timeout is None and backend == "gloo":
+            timeout = DEFAULT_COLLECTIVE_TIMEOUT_S
         kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         dist.init_process_group(backend, **kwargs)
     return dist.get_rank(), dist.get_world_size()

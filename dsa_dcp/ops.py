@@ -461,3 +461,88 @@ TOPK_AGREE = torch.ops.dsa_dcp.topk_agree.default
 TOPK_AGREE_REMAP = torch.ops.dsa_dcp.topk_agree_remap.default
 # a remap fused with the selection that feeds it: what the graph summary counts as a remap
 FUSED_REMAPS = (TOPK_SELECT_REMAP, TOPK_AGREE_REMAP)
+
+
+# =========================================================================== the pool's bounds (DCP step inputs)
+# A DCP rank holds 1/N of the pool, so a global slot past the pool is not out of range on every
+# rank: its owner may store it in a spare row of its cache (N * I not dividing S) or fail alone while
+# its peers wait in the next collective. The DCP program therefore checks the step's global slot ids
+# where they enter it, on every rank alike (the group feeds the same inputs), and raises the error
+# the single-rank model raises (the IndexError of its first out-of-range index). On CUDA the check is
+# a device-side assertion (``torch._assert_async``): no host sync, and every rank fails it alike.
+# Each returns a copy of its input, which the program reads in its place, so no compiler drops it.
+
+
+def past_the_pool(index: int, num_slots: int, detail: str) -> str:
+    """The refusal of a slot id past the pool: torch's own indexing message first (what the
+    single-rank model raises), then what held it."""
+    return (f"index {index} is out of bounds for dimension 0 with size {num_slots}: {detail}, past the KV pool of "
+            f"{num_slots} slots (every rank of the DCP group checks the step's global slots, so every rank raises "
+            f"this)")
+
+
+@torch.library.custom_op("dsa_dcp::check_slots", mutates_args=())
+def check_slots(slots: Tensor, num_slots: int, what: str) -> Tensor:
+    """``slots`` (global slot ids, any shape; negative: no slot), copied, after raising ``IndexError``
+    when one is ``>= num_slots`` (``what`` names the tensor in the message: "the step's write slots")."""
+    bad = (slots >= num_slots).reshape(-1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        s = int(slots.reshape(-1)[i])
+        raise IndexError(past_the_pool(s, num_slots, f"slot {s} (entry {i} of {what})"))
+    return slots.clone()
+
+
+@check_slots.register_kernel("cuda")
+def _check_slots_cuda(slots: Tensor, num_slots: int, what: str) -> Tensor:
+    torch._assert_async((slots < num_slots).all(), f"dsa_dcp: a slot of {what} is past the KV pool of {num_slots} "
+                                                   f"slots")
+    return slots.clone()
+
+
+@check_slots.register_fake
+def _check_slots_fake(slots: Tensor, num_slots: int, what: str) -> Tensor:
+    return torch.empty_like(slots)
+
+
+def _request_pages(page_table: Tensor, req_ids: Tensor) -> Tensor:
+    """``[T, max_pages]`` int64: the pages of each row's request (``-1`` for a row with no request),
+    as ``kernels.indexer.candidate_slots`` reads them."""
+    req = req_ids.to(torch.int64)
+    if page_table.shape[0] == 0:
+        return torch.full((req.shape[0], page_table.shape[1]), -1, dtype=torch.int64, device=page_table.device)
+    pages = page_table.to(torch.int64).index_select(0, req.clamp(min=0))
+    return torch.where((req >= 0)[:, None], pages, torch.full_like(pages, -1))
+
+
+@torch.library.custom_op("dsa_dcp::check_pages", mutates_args=())
+def check_pages(page_table: Tensor, req_ids: Tensor, page_size: int, num_slots: int) -> Tensor:
+    """``page_table``, copied, after raising ``IndexError`` when a page of a request this step reads
+    (``req_ids``) holds a slot ``>= num_slots``: the candidate slots the indexer gathers."""
+    pages = _request_pages(page_table, req_ids)
+    bad = (pages >= 0) & (pages * page_size + page_size > num_slots)
+    if bool(bad.any()):
+        t, j = (int(i) for i in bad.nonzero()[0])
+        p = int(pages[t, j])
+        first = max(p * page_size, num_slots)  # the first candidate past the pool, in candidate order
+        raise IndexError(past_the_pool(first, num_slots, f"page {p} of request {int(req_ids[t])} (row {t} of the "
+                                                         f"step, page {j} of its request) holds slots {p * page_size} "
+                                                         f"to {p * page_size + page_size - 1}"))
+    return page_table.clone()
+
+
+@check_pages.register_kernel("cuda")
+def _check_pages_cuda(page_table: Tensor, req_ids: Tensor, page_size: int, num_slots: int) -> Tensor:
+    pages = _request_pages(page_table, req_ids)
+    ok = ((pages < 0) | (pages * page_size + page_size <= num_slots)).all()
+    torch._assert_async(ok, f"dsa_dcp: the page table holds a page past the KV pool of {num_slots} slots")
+    return page_table.clone()
+
+
+@check_pages.register_fake
+def _check_pages_fake(page_table: Tensor, req_ids: Tensor, page_size: int, num_slots: int) -> Tensor:
+    return torch.empty_like(page_table)
+
+
+CHECK_SLOTS = torch.ops.dsa_dcp.check_slots.default
+CHECK_PAGES = torch.ops.dsa_dcp.check_pages.default

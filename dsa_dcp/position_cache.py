@@ -95,7 +95,9 @@ class PositionShardedCache(torch.Tensor):
                 f"fullgraph=True). A transformers model's generate() calls the model itself, so a compiled "
                 f"wrapper's generate (compiled = torch.compile(model, ...); compiled.generate(...)) runs it "
                 f"uncompiled: compile the model in place, model.compile(backend='dsa_dcp', options=...), and call "
-                f"model.generate(...)")
+                f"model.generate(...). If this is an operation on the cache outside the model's step "
+                f"(transformers' generate crops or reorders its caches for assisted decoding and beam search), a "
+                f"DCP cache does not support it, except beam search's reorder_cache on a DCPStaticCache")
 
         # While dynamo traces (fake tensors): the model's ops see a global-shaped stand-in, so
         # shapes propagate as on one device; the passes rewrite every such use before it runs.

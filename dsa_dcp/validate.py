@@ -40,6 +40,7 @@ import json
 import re
 import socket
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 
@@ -51,6 +52,7 @@ from dsa_dcp.passes.graph import sparse_attention_nodes
 from dsa_dcp.passes.kv_writes import cache_layout_problems
 
 AGREEMENT_KEY = "dsa_dcp/compile/{group}/{round}/{rank}"
+# How long the agreement waits when the group's own timeout cannot be read (``group_timeout``).
 AGREEMENT_WAIT = datetime.timedelta(seconds=60)
 # options that may differ between the ranks of one group
 PER_RANK_OPTIONS = ("rank", "group")
@@ -78,7 +80,7 @@ def validate(gm: fx.GraphModule, ctx: CompileContext, pipeline: Pipeline
                         "cuda_graphs=False")
     problems += cache_layout_problems(gm, ctx)
     if ctx.dcp_size == 1:
-        return {}, problems, []
+        return {}, grouped(problems), []
     problems += group_agreement_problems(gm, ctx)  # first, so no peer waits on a rank that refuses
     if on_cuda and opts.cuda_graphs is not False and ctx.group_name is not None:
         problem = graph_capture_problem(_group_backend(ctx.group_name))
@@ -184,6 +186,28 @@ def _program_options(ctx: CompileContext) -> dict[str, str]:
     return {name: repr(value) for name, value in sorted(vars(ctx.options).items()) if name not in PER_RANK_OPTIONS}
 
 
+def group_timeout(group) -> datetime.timedelta:
+    """How long a rank of ``group`` waits for its peers: the process group's own timeout (what
+    ``init_process_group(timeout=...)``, ``run_on_ranks(collective_timeout=...)`` or torchrun set, and
+    what its collectives wait), else the default store's, else ``AGREEMENT_WAIT``."""
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or a torch without options
+            continue
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        timeout = _get_default_store().timeout
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    except Exception:  # noqa: BLE001 - no store: the fixed wait
+        pass
+    return AGREEMENT_WAIT
+
+
 def group_agreement_problems(gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
     """Every rank of the group publishes its host, options and attention node count through the
     group's store (no collective: ranks that compile at different times never wait on each other's
@@ -202,13 +226,14 @@ def group_agreement_problems(gm: fx.GraphModule, ctx: CompileContext) -> list[st
     store = _get_default_store()
     keys = [AGREEMENT_KEY.format(group=ctx.group_name, round=round_, rank=r) for r in ranks]
     store.set(keys[ranks.index(dist.get_rank())], json.dumps(mine))
+    wait = group_timeout(group)
     try:
-        store.wait(keys, AGREEMENT_WAIT)
+        store.wait(keys, wait)
     except Exception:  # noqa: BLE001 - the store's timeout error names no rank
         missing = [r for r, k in zip(range(len(ranks)), keys) if not store.check([k])]
         return [f"ranks {missing} of the DCP group did not reach compilation {round_} of this group within "
-                f"{AGREEMENT_WAIT.seconds} s; every rank must compile the same program (did a rank fail "
-                f"earlier, or compile a different graph?)"]
+                f"{wait.total_seconds():g} s (the process group's timeout); every rank must compile the same "
+                f"program (did a rank fail or hang earlier, or compile a different graph?)"]
     everyone = [json.loads(store.get(k)) for k in keys]
     problems = []
     for name in mine["options"]:

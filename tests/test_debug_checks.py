@@ -1,4 +1,4 @@
-"""``debug_checks``: the ranks compare their top-k rows entry by entry (gloo ranks).
+"""``debug_checks``: the ranks compare their top-k rows entry by entry, and their step inputs (gloo ranks).
 
 Regression: a position-weighted sum of the row could not tell rank 0's ``[5, 7, ...]`` from rank
 1's ``[7, 6, ...]`` (both 25 + the same rest); the rows themselves are compared now.
@@ -28,6 +28,8 @@ def _topk(rank, case):
         topk[2, :2] = torch.tensor(DIFFERENT[case][min(rank, 1)])
     if case == "range_on_one_rank" and rank == 1:
         topk[1, 3] = S  # one past the pool, on rank 1 only
+    if case == "rows_on_one_rank" and rank == 1:
+        topk = topk[:2]  # a step of another shape on rank 1: the header tells, before the rows travel
     return topk
 
 
@@ -47,7 +49,7 @@ def _check_rank(rank, world, cases):
 
 
 def test_different_top_k_rows_are_caught_whatever_their_sums():
-    cases = [*DIFFERENT, "range_on_one_rank", "same"]
+    cases = [*DIFFERENT, "range_on_one_rank", "same", "rows_on_one_rank", "same"]
     results = run_on_ranks(_check_rank, 2, cases, timeout=120)
     for case in DIFFERENT:
         ours, theirs = DIFFERENT[case]
@@ -60,7 +62,11 @@ def test_different_top_k_rows_are_caught_whatever_their_sums():
     for r in results:
         assert r["range_on_one_rank"] == ("DCPRuntimeCheckError: layer 3: row 1 holds top-k slot 24 at position 3, "
                                           "outside [-1, 24) (on ranks [1])")
-        assert r["same"] == "ok"
+        assert r["same"] == "ok"  # the last case: the checks pair again after the shapes differed
+        assert r["rows_on_one_rank"] == ("DCPRuntimeCheckError: layer 3: the ranks of the DCP group ran a step of "
+                                         "different shapes: graph position 5 checks a different number of entries "
+                                         "on each (rank 0: 15, rank 1: 10); every rank must be fed the same step "
+                                         "inputs (docs/validation.md, 'Every rank feeds the same step inputs')")
 
 
 def _compiled_rank(rank, world):
@@ -82,6 +88,63 @@ def _compiled_rank(rank, world):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_debug_checks_catch_equal_sums_in_a_compiled_step():
+def test_a_top_k_given_differently_to_a_compiled_step_is_a_step_input_that_differs():
+    """A top-k the step is given is a step input: the step-input check names it and its first differing
+    entry (rank 1's row 2 starts [7, 6], rank 0's [5, 7]: equal position-weighted sums), on both ranks,
+    before any collective."""
     for r in run_on_ranks(_compiled_rank, 2, timeout=120):
-        assert "layer 0: row 2: ranks [1] computed a different top-k than rank 0" in r, r
+        assert r == ("DCPRuntimeCheckError: the ranks of the DCP group were given different step inputs: L['topk'] "
+                     "differs on ranks [1] from rank 0's (first at index (2, 0): rank 1 has 7, rank 0 has 5). Every "
+                     "rank of a DCP group must be fed the same inputs every step (the group runs one model: sample "
+                     "each token once and broadcast it); docs/validation.md, 'Every rank feeds the same step "
+                     "inputs'"), r
+
+
+def _corrupt_index_cache_rank(rank, world, corrupt):
+    """One decode step of DSAModel over a context longer than the top-k, the same inputs on every rank; rank
+    1's replicated index keys differ from rank 0's when ``corrupt`` (a cache that went wrong on one rank)."""
+    from dsa_dcp.models import DSAModel, get_config
+    from dsa_dcp.models.runner import decode_step_inputs
+
+    torch._dynamo.reset()
+    cfg = get_config("deepseek-v3.2-tiny", n_layers=2)
+    inputs, num_slots = decode_step_inputs(cfg, 2, 3 * cfg.index_topk, "cpu")
+    model = DSAModel(cfg, num_slots, dcp_size=world, seed=3)
+    if corrupt and rank == 1:
+        for cache in model.index_caches().values():
+            cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(5)))
+    step = torch.compile(model, backend="dsa_dcp", fullgraph=True, options={"dcp_size": world, "debug_checks": True})
+    try:
+        with torch.no_grad():
+            step(*inputs)
+    except Exception as e:  # noqa: BLE001 - the parent asserts on the message
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_top_k_that_differs_inside_a_compiled_step_is_caught_at_its_layer():
+    """The same step inputs, a replicated index cache that differs on rank 1: the step-input check passes
+    (caches are not step inputs) and the top-k check of layer 0 names the row, on both ranks."""
+    for r in run_on_ranks(_corrupt_index_cache_rank, 2, True, timeout=120):
+        assert r.startswith("DCPRuntimeCheckError: layer 0: row 0: ranks [1] computed a different top-k than rank 0 "
+                            "(first at position "), r
+        assert "is the indexer or its key cache different on some rank?" in r
+    assert run_on_ranks(_corrupt_index_cache_rank, 2, False, timeout=120) == ["ok", "ok"]
+
+
+def test_the_step_inputs_are_the_steps_arguments_not_its_weights_buffers_or_caches():
+    """What the step-input check digests for DSAModel: its five arguments; not the weights, the rope
+    buffers (a rank's own state) or the KV and index caches (split over the group, or written by the step)."""
+    from dsa_dcp.inspect.targets import fake_group
+    from dsa_dcp.models import DSAModel, get_config
+    from dsa_dcp.models.runner import decode_step_inputs
+
+    torch._dynamo.reset()
+    cfg = get_config("deepseek-v3.2-tiny", n_layers=2)
+    inputs, num_slots = decode_step_inputs(cfg, 2, 5, "cpu")
+    with fake_group(2), torch.no_grad():
+        model = DSAModel(cfg, num_slots, dcp_size=2)
+        torch.compile(model, backend="dsa_dcp", options={"dcp_size": 2, "debug_checks": True}, fullgraph=True)(*inputs)
+    checked = dsa_dcp.backend_report().stats()["step_inputs"]["step_inputs_checked"]
+    assert sorted(checked) == sorted(f"L['{n}']" for n in ("input_ids", "positions", "req_ids", "slots", "page_table"))

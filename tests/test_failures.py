@@ -7,6 +7,7 @@ no rank process is left running afterwards. Each case takes a few seconds, mostl
 """
 
 import os
+import re
 import signal
 import time
 
@@ -203,3 +204,50 @@ def test_the_run_timeout_bounds_a_group_with_a_long_collective_timeout():
         run_on_ranks(_sleeps_in_a_collective, 2, timeout=5, collective_timeout=600)
     assert set(info.value.ranks) == {0, 1}
     assert time.monotonic() - start < 5 + SLACK
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) the defaults, and the backend's compile-time agreement, follow the process group's timeout
+
+
+def _group_timeout(rank, world):
+    from dsa_dcp.validate import group_timeout
+
+    return group_timeout(dist.group.WORLD).total_seconds()
+
+
+def test_the_default_collective_timeout_ends_a_hung_run_within_a_minute():
+    from dsa_dcp.launch import DEFAULT_COLLECTIVE_TIMEOUT_S
+
+    assert DEFAULT_COLLECTIVE_TIMEOUT_S == 60.0
+    assert run_on_ranks(_group_timeout, 2, timeout=600) == [60.0, 60.0]  # not the run's 600 s
+    assert run_on_ranks(_group_timeout, 2, timeout=20) == [20.0, 20.0]  # a shorter run bounds it
+    assert run_on_ranks(_group_timeout, 2, collective_timeout=7.5) == [7.5, 7.5]
+
+
+def _hangs_before_compiling(rank, world):
+    import dsa_dcp
+
+    if rank == 1:
+        time.sleep(3600)  # stuck before its first compilation
+    cache = dsa_dcp.allocate_kv_cache(8, 4, dcp_size=world)
+    step = torch.compile(lambda c, s, r: torch.ops.dsa_dcp.kv_store.default(c, s, r), backend="dsa_dcp",
+                         options={"dcp_size": world, "lowering": "fx"}, fullgraph=True)
+    start = time.monotonic()
+    try:
+        step(cache, torch.tensor([0, 1]), torch.ones(2, 4))
+    except Exception as e:  # noqa: BLE001 - the parent asserts on it
+        raise RuntimeError(f"after {time.monotonic() - start:.1f} s: {dsa_dcp.entry.find_dcp_error(e)}") from None
+
+
+def test_the_compile_time_agreement_waits_the_process_groups_timeout(tmp_path):
+    """A rank that hangs before compiling holds its peers for the group's timeout (here 2 s), not a fixed
+    60 s: they fail naming it."""
+    err, elapsed = _run_expecting_failure(_hangs_before_compiling, tmp_path)
+    msg = str(err)
+    assert err.ranks[1] == "running" and err.ranks[0] == err.ranks[2] == "failed", msg
+    assert (f"ranks [1] of the DCP group did not reach compilation 1 of this group within "
+            f"{COLLECTIVE_TIMEOUT:g} s (the process group's timeout)") in msg, msg
+    waited = [float(w) for w in re.findall(r"after (\d+\.\d) s: ", msg)]
+    assert len(waited) == 2 and all(COLLECTIVE_TIMEOUT <= w < COLLECTIVE_TIMEOUT + 5 for w in waited), msg
+    assert elapsed < COLLECTIVE_TIMEOUT + 2 * SLACK, f"took {elapsed:.1f} s"

@@ -230,7 +230,7 @@ def test_json_schema_of_the_glm52_report(tiny):
     assert data["options"] == {"dcp_size": 4, "rank": 0, "merge": "a2a", "interleave": 1, "lowering": "fx"}
     names = [p["name"] for p in data["passes"]]
     assert names == ["canonicalize", "indexer_kernels", "index_cache", "localize_kv_writes", "dcp_rewrite",
-                     "share_remaps", "fuse_remaps"]
+                     "share_remaps", "fuse_remaps", "slot_bounds"]
     rewrite = data["passes"][names.index("dcp_rewrite")]
     assert "topk_remap" in rewrite["graph_after"] and "topk_remap" not in data["graph_input"]
     assert data["memory"]["dcp_size"] == 4 and data["memory"]["kv_dtype"] == "bf16"

@@ -129,6 +129,44 @@ def test_a_cache_allocated_for_a_group_is_refused_without_options():
     assert "pass options={'dcp_size': 2, ...}" in problem
 
 
+def _position_cache_step(kind: str):
+    """A model whose position caches were allocated for 2 ranks, compiled without DCP options: the
+    plain model after ``shard_position_caches``, or a transformers model generating with
+    ``DCPStaticCache(dcp_size=2)``."""
+    if kind == "plain":
+        from dsa_dcp.models.plain import Transformer, init_weights, tiny_args
+        from dsa_dcp.position_cache import shard_position_caches
+
+        model = init_weights(Transformer(tiny_args(max_seq_len=8)), seed=0).eval()
+        shard_position_caches(model, ("kv_cache", "pe_cache"), dcp_size=2)
+        step = torch.compile(model, backend="dsa_dcp", fullgraph=True)
+        return lambda: step(torch.randint(0, 64, (2, 3)), 0)
+    from dsa_dcp.integrations.transformers import DCPStaticCache, left_padded_prompts, tiny_model
+
+    model = tiny_model("deepseek_v32")
+    model.compile(backend="dsa_dcp", fullgraph=True)
+    ids, mask = left_padded_prompts((3, 4), model.config.vocab_size)
+    cache = DCPStaticCache(model.config, max_cache_len=8, batch_size=2, dcp_size=2)
+    return lambda: model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("kind", ["plain", "transformers"])
+def test_a_position_cache_allocated_for_a_group_is_refused_without_options(kind):
+    """Regression: the lowering's internal ``AssertionError: position cache ... is used whole``."""
+    if kind == "transformers":
+        pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    run = _position_cache_step(kind)
+    with pytest.raises(Exception) as err, torch.no_grad():
+        run()
+    cause = _root_cause(err.value)
+    assert isinstance(cause, DCPValidationError), repr(err.value)
+    assert cause.problems and all("was allocated for dcp_size=2, interleave=1 (this rank holds 4 of its 8 positions) "
+                                  "but compiled for dcp_size=1; pass options={'dcp_size': 2, 'interleave': 1, ...}" in p
+                                  for p in cause.problems), cause.problems
+    assert cause.problems[0].startswith("position cache "), cause.problems
+
+
 def test_a_dcp_compilation_that_rewrites_nothing_says_so():
     torch._dynamo.reset()
     with fake_group(2):
@@ -176,6 +214,166 @@ def test_ranks_compiled_with_different_options_are_refused_naming_the_values():
             assert isinstance(problems, list), problems
             expected = f"option {name} differs across the DCP group (rank 0: {a!r}, rank 1: {b!r})"
             assert any(expected in p for p in problems), problems
+
+
+def _one_token_differs_rank(rank, world, debug_checks):
+    """Greedy generation over the standard schedule; on rank 1 one token of one step differs."""
+    from dsa_dcp.debug_checks import DCPRuntimeCheckError
+    from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
+
+    cfg = get_config("deepseek-v3.2-tiny", n_layers=2)
+    batch = standard_test_batch(cfg, max_new_tokens=3, seed=7)
+    torch._dynamo.reset()
+    model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=11)
+    step = torch.compile(model, backend="dsa_dcp", fullgraph=True,
+                         options={"dcp_size": world, "lowering": "fx", "debug_checks": debug_checks})
+    calls = []
+
+    def fed(input_ids, positions, req_ids, slots, page_table):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:  # the second step: one row's token differs on rank 1
+            input_ids = input_ids.clone()
+            input_ids[1] = (input_ids[1] + 1) % cfg.vocab_size
+        return step(input_ids, positions, req_ids, slots, page_table)
+
+    try:
+        with torch.no_grad():
+            return generate(fed, batch, 3, pad_to=16).tokens
+    except DCPRuntimeCheckError as e:
+        return f"DCPRuntimeCheckError at step {len(calls)}: {e}"
+
+
+def test_a_token_that_differs_on_one_rank_is_named_by_the_debug_checks():
+    """Regression: one token changed on rank 1 for one step changed rank 0's tokens, and debug_checks did
+    not notice (the top-k agrees while the contexts are shorter than the top-k). The step-input check
+    names the input, the rank and the entry on every rank, before the step's first collective."""
+    wrong = run_on_ranks(_one_token_differs_rank, 2, False, timeout=300)
+    assert wrong[0] != wrong[1]  # without the checks: the contract is broken and the ranks disagree
+    for r in run_on_ranks(_one_token_differs_rank, 2, True, timeout=300):
+        assert r.startswith("DCPRuntimeCheckError at step 2: the ranks of the DCP group were given different step "
+                            "inputs: L['input_ids'] differs on ranks [1] from rank 0's (first at index 1: rank 1 has "), r
+        assert "Every rank of a DCP group must be fed the same inputs every step" in r, r
+
+
+# --------------------------------------------------------------------------- a page past the pool
+
+POOL = 100  # slots; pages of 4 (the tiny configs' page size): page 25 holds slots 100..103
+PAST_THE_POOL = [  # (index cache, interleave, where page 25 is)
+    ("sharded", 4, "written"),  # generated tokens: slots 100..103 fell into rank 1's spare rows
+    ("replicated", 1, "one_slot"),  # only slot 100 is written: its owner alone raised, its peer waited
+    ("sharded", 1, "future"),  # a page no row writes yet: only the indexer reads it
+]
+
+
+def _past_the_pool_batch(cfg, where):
+    import dataclasses
+
+    from dsa_dcp.models import make_requests
+
+    batch = make_requests(cfg, [3, 1 if where == "one_slot" else 2], max_new_tokens=3, num_slots=POOL, seed=3)
+    page_table = batch.page_table.clone()
+    page_table[1, -1 if where == "future" else 0] = 25
+    return dataclasses.replace(batch, page_table=page_table)
+
+
+def _first_error(fn):
+    try:
+        with torch.no_grad():
+            fn()
+    except Exception as e:  # noqa: BLE001 - the test compares it
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _past_the_pool_rank(rank, world):
+    from dsa_dcp.models import DSAModel, generate, get_config
+
+    cfg = get_config("deepseek-v3.2-tiny", n_layers=2)
+    errors = {}
+    for index_cache, interleave, where in PAST_THE_POOL:
+        torch._dynamo.reset()
+        model = DSAModel(cfg, POOL, dcp_size=world, interleave=interleave, index_cache=index_cache, seed=1)
+        step = torch.compile(model, backend="dsa_dcp", fullgraph=True, options={
+            "dcp_size": world, "lowering": "fx", "interleave": interleave, "index_cache": index_cache})
+        errors[where] = _first_error(lambda: generate(step, _past_the_pool_batch(cfg, where), 1, pad_to=8))
+    # a top-k the step is given, one past the pool
+    torch._dynamo.reset()
+    cache = dsa_dcp.allocate_kv_cache(S, DC + DR, dcp_size=world)
+    q_nope, q_pe, topk, _, _ = _inputs(4)
+    topk[1, 0] = S
+    read = torch.compile(decode, backend="dsa_dcp", options={"dcp_size": world, "merge": "ag"}, fullgraph=True)
+    errors["topk"] = _first_error(lambda: read(q_nope, q_pe, cache, topk))
+    return errors
+
+
+def test_a_page_past_the_pool_raises_the_single_rank_error_on_every_rank():
+    """Regression: with a sharded index cache and interleave 4 the step generated tokens; elsewhere only the
+    owning rank raised and its peers waited out the collective timeout. Now every rank raises the
+    single-rank model's IndexError, before any collective (default lowering for the top-k case)."""
+    from dsa_dcp.models import DSAModel, generate, get_config
+
+    cfg = get_config("deepseek-v3.2-tiny", n_layers=2)
+    single = {where: _first_error(lambda: generate(DSAModel(cfg, POOL, seed=1), _past_the_pool_batch(cfg, where), 1,
+                                                   pad_to=8))
+              for _, _, where in PAST_THE_POOL}
+    q_nope, q_pe, topk, _, _ = _inputs(4)
+    topk[1, 0] = S
+    single["topk"] = _first_error(lambda: decode(q_nope, q_pe, torch.zeros(S, DC + DR), topk))
+    for where, err in single.items():
+        assert err.startswith("IndexError: index ") and "is out of bounds for dimension 0 with size" in err, err
+    ranks = run_on_ranks(_past_the_pool_rank, 2, timeout=300)
+    for where, err in single.items():
+        for errors in ranks:
+            assert errors[where].startswith(err + ": "), (where, errors[where], err)
+            assert "past the KV pool" in errors[where] and "so every rank raises this" in errors[where]
+    assert "page 25 of request 1" in ranks[0]["future"] and "holds slots 100 to 103" in ranks[0]["future"]
+    assert "of the step's top-k input" in ranks[0]["topk"]
+
+
+_PAST_THE_POOL_ON_CUDA = """
+import torch
+from dsa_dcp.ops import CHECK_SLOTS
+CHECK_SLOTS(torch.tensor([3, -1, 100], device="cuda"), 100, "the step's write slots")
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+def test_the_pool_checks_on_cuda_are_device_assertions_without_a_host_sync():
+    """On CUDA the checks never wait for the host (sync debug mode 'error'), Inductor keeps them and a
+    CUDA graph captures them; a slot past the pool fails the device-side assertion (in a process of its
+    own: the assertion ends the CUDA context)."""
+    import os
+    import subprocess
+    import sys
+
+    from dsa_dcp.ops import CHECK_PAGES, CHECK_SLOTS
+
+    slots = torch.tensor([3, -1, 99], device="cuda")
+    page_table = torch.tensor([[0, 24], [5, -1]], dtype=torch.int32, device="cuda")
+    req_ids = torch.tensor([0, 1, -1], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        checked, pages = CHECK_SLOTS(slots, 100, "slots"), CHECK_PAGES(page_table, req_ids, 4, 100)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(checked, slots) and torch.equal(pages, page_table)
+
+    def step(slots, page_table, req_ids):
+        return CHECK_SLOTS(slots, 100, "slots") * 2, CHECK_PAGES(page_table, req_ids, 4, 100) + 1
+
+    compiled = torch.compile(step, backend="inductor", mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        out = compiled(slots, page_table, req_ids)
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], slots * 2) and torch.equal(out[1], page_table + 1)
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", _PAST_THE_POOL_ON_CUDA], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode != 0, proc.stdout
+    assert "device-side assert" in proc.stderr or "Assertion" in proc.stderr, proc.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- a step retried on one rank

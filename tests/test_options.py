@@ -116,3 +116,45 @@ def test_compile_refuses_a_misspelled_option_before_tracing():
         dsa_dcp.compile(model, merge="allgather")
     with pytest.raises(OptionsError, match=r"mode must be one of .*, got 'fast'"):
         dsa_dcp.compile(model, mode="fast")
+
+
+TOO_BIG = [
+    ({"dcp_size": 10**30}, "dcp_size must be at most 2147483647 (sizes reach the kernels as 32-bit integers), "
+                           "got 1000000000000000000000000000000"),
+    ({"interleave": 2**31}, "interleave must be at most 2147483647"),
+    ({"page_size": 2**40}, "page_size must be at most 2147483647"),
+    ({"dcp_size": 2**16, "interleave": 2**16}, "dcp_size * interleave must be at most 2147483647"),
+    ({"batch_sizes": [1, 2**31]}, "batch_sizes must be a non-empty increasing list of integers >= 1 (at most "
+                                  "2147483647), got (1, 2147483648)"),
+]
+
+
+@pytest.mark.parametrize("options, message", TOO_BIG, ids=[str(o) for o, _ in TOO_BIG])
+def test_sizes_past_what_the_kernels_take_are_refused(options, message):
+    with pytest.raises(OptionsError) as err:
+        DCPOptions.parse(options)
+    assert message in str(err.value), str(err.value)
+    with pytest.raises(OptionsError):  # before any tracing
+        dsa_dcp.compile(lambda x: x, **options)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"dynamic": "no"}, "dynamic must be None, True or False, got 'no'"),
+    ({"dynamic": 0}, "dynamic must be None, True or False, got 0"),
+    ({"fullgraph": "yes"}, "fullgraph must be True or False, got 'yes'"),
+    ({"fullgraph": 1}, "fullgraph must be True or False, got 1"),
+], ids=["dynamic='no'", "dynamic=0", "fullgraph='yes'", "fullgraph=1"])
+def test_compile_checks_torch_compile_flags_by_type_before_tracing(flags, message):
+    calls = []
+
+    def model(x):
+        calls.append(1)
+        return x + 1
+
+    with pytest.raises(OptionsError, match="invalid torch.compile flags") as err:
+        step = dsa_dcp.compile(model, **flags)
+        step(torch.zeros(2))
+    assert message in str(err.value) and not calls
+    # the decorator form checks them too
+    with pytest.raises(OptionsError, match="invalid torch.compile flags"):
+        dsa_dcp.compile(**flags)

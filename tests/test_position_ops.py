@@ -121,6 +121,9 @@ def test_position_sharded_cache_holds_its_share_and_refuses_eager_use():
     assert local_positions(cache).untyped_storage().nbytes() == 2 * 3 * (T // 3) * DC * 4
     with pytest.raises(RuntimeError, match="outside a program the dsa_dcp passes rewrote"):
         cache[:, :, :4].sum()
+    # an operation on the cache outside the step (generate's cache reordering) is named as such
+    with pytest.raises(RuntimeError, match="a DCP cache does not support it, except beam search's reorder_cache"):
+        cache.index_select(0, torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="must be a multiple of dcp_size \\* interleave = 4"):
         allocate_position_cache((2, 10, DC), 1, dcp_size=2, interleave=2)
 

@@ -257,3 +257,43 @@ def test_memory_plan_of_the_sharded_index_cache(n):
     assert dict(plan.rows())["index-key bytes per token per rank"].endswith(f"(2,772 / {n}: sharded)")
     bf16 = memory_plan("glm5.2", "bf16", n, slots=1000, index_cache="sharded")
     assert bf16.bytes_per_rank_for_slots == local_cache_rows(1000, n) * (78 * 1152 + 21 * 256)
+
+
+def _plain_model_for_two_ranks():
+    from dsa_dcp.models.plain import Transformer, init_weights, tiny_args
+    from dsa_dcp.position_cache import shard_position_caches
+
+    model = init_weights(Transformer(tiny_args(max_seq_len=8)), seed=0).eval()
+    shard_position_caches(model, ("kv_cache", "pe_cache"), dcp_size=2)
+    return model, (torch.randint(0, 64, (2, 3)), 0)
+
+
+def _transformers_generate_for_two_ranks():
+    from dsa_dcp.integrations.transformers import DCPStaticCache, left_padded_prompts, tiny_model
+
+    model = tiny_model("glm_moe_dsa")
+    ids, mask = left_padded_prompts((3, 4), model.config.vocab_size)
+    cache = DCPStaticCache(model.config, max_cache_len=8, batch_size=2, dcp_size=2)
+
+    def prefill(ids, mask):  # what generate calls first: the model over the prompts, into the cache
+        return model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+
+    return prefill, (ids, mask)
+
+
+@pytest.mark.parametrize("kind", ["plain", "transformers"])
+def test_a_sharded_index_cache_on_a_model_whose_index_keys_the_pass_cannot_shard_is_refused(kind):
+    """Regression: ``index_cache='sharded'`` compiled to nothing (``indexers_sharded: 0``, every index key
+    kept on every rank) for models whose indexer keeps its keys per request and position."""
+    if kind == "transformers":
+        pytest.importorskip("transformers")
+        step, inputs = _transformers_generate_for_two_ranks()
+        whole = "['l_cache_layers_0_indexer_keys']"  # GLM's one full indexer layer; layer 1 reuses its top-k
+    else:
+        step, inputs = _plain_model_for_two_ranks()
+        whole = ("['l_self_modules_layers_modules_0_modules_attn_modules_indexer_buffers_k_cache_', "
+                 "'l_self_modules_layers_modules_1_modules_attn_modules_indexer_buffers_k_cache_']")
+    (p,) = _problems(step, inputs, {"dcp_size": 2, "merge": "ag", "index_cache": "sharded"})
+    assert p.startswith("index_cache='sharded' keeps only this rank's index keys, but this program has no index "
+                        "cache the index_cache pass can shard"), p
+    assert f"these caches stay whole on every rank: {whole}. Compile with index_cache='replicated'" in p, p

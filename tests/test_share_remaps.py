@@ -80,10 +80,12 @@ def test_deepseek_v32_keeps_one_remap_per_layer():
 def test_share_remaps_option_turns_the_pass_off():
     ctx = CompileContext(options=DCPOptions.parse({"dcp_size": 2, "share_remaps": False}), rank=0, group_name="g")
     assert [p.name for p in build_pipeline(ctx)] == ["canonicalize", "indexer_kernels", "index_cache",
-                                                     "localize_kv_writes", "dcp_rewrite", "fuse_remaps"]
+                                                     "localize_kv_writes", "dcp_rewrite", "fuse_remaps",
+                                                     "slot_bounds"]
     ctx = CompileContext(options=DCPOptions.parse({"dcp_size": 2}), rank=0, group_name="g")
     assert [p.name for p in build_pipeline(ctx)] == ["canonicalize", "indexer_kernels", "index_cache",
-                                                     "localize_kv_writes", "dcp_rewrite", "share_remaps", "fuse_remaps"]
+                                                     "localize_kv_writes", "dcp_rewrite", "share_remaps", "fuse_remaps",
+                                                     "slot_bounds"]
     with pytest.raises(OptionsError, match=r"share_remaps must be True or False, got 'yes'"):
         DCPOptions.parse({"share_remaps": "yes"})
     assert DCPOptions.parse({}).cache_key() != DCPOptions.parse({"share_remaps": False}).cache_key()

@@ -211,6 +211,75 @@ def test_inspect_counts_one_remap_per_glm_indexer():
     assert "remaps after sharing          2" in inspection.to_text()
 
 
+# --------------------------------------------------------------------------- sampling and beam search
+
+SEED = 100
+GENERATE = {  # how each case calls generate
+    "sample": {"do_sample": True, "top_k": 0},  # the whole distribution: seeds matter at every step
+    "sample_top_p": {"do_sample": True, "top_k": 0, "top_p": 0.9, "temperature": 0.7},  # warpers after our processor
+    "beam": {"num_beams": 2, "do_sample": False},  # the cache is reordered between steps
+}
+
+
+def _generate_mode(model, dcp_size: int, mode: str, seed: int, cache: bool = True):
+    """``generate`` of 2 prompts, 4 new tokens, seeded with ``seed`` just before; ``cache=False`` lets
+    transformers allocate its own cache (the single-rank reference of beam search)."""
+    from dsa_dcp.integrations.transformers import DCPStaticCache, left_padded_prompts
+
+    kwargs = GENERATE[mode]
+    ids, mask = left_padded_prompts((3, 5), model.config.vocab_size)
+    if cache:
+        rows = len(ids) * kwargs.get("num_beams", 1)
+        kwargs = {**kwargs, "past_key_values": DCPStaticCache(model.config, max_cache_len=MAX_LEN, batch_size=rows,
+                                                               dcp_size=dcp_size)}
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, disable_compile=True, **kwargs)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def _modes_rank(rank, world, family):
+    torch._dynamo.reset()
+    model = hf_model(family, "eager")
+    model.compile(backend="dsa_dcp", options={"dcp_size": world, "lowering": "fx"}, fullgraph=True)
+    return {mode: _generate_mode(model, world, mode, SEED + rank) for mode in GENERATE}  # each rank its own seed
+
+
+def test_sampling_and_beam_search_agree_over_the_group_whatever_the_ranks_seeds():
+    """Regression: with each rank seeded differently (as torchrun processes often are), rank 0's second
+    token was sampled by rank 1. generate with a DCPStaticCache now broadcasts rank 0's scores and random
+    state every step: every rank generates what the single-rank model generates with rank 0's seed; beam
+    search (num_beams=2) reorders the cache in place and matches transformers' own single-rank search."""
+    family = "deepseek_v32"
+    model = hf_model(family, "eager")
+    ref = {mode: _generate_mode(model, 1, mode, SEED, cache=mode != "beam") for mode in GENERATE}
+    for mode in ("sample", "sample_top_p"):  # the seeds matter: rank 1's alone would sample otherwise
+        assert _generate_mode(model, 1, mode, SEED + 1) != ref[mode], mode
+    ranks = run_on_ranks(_modes_rank, 2, family, timeout=600)
+    for rank, got in enumerate(ranks):
+        assert got == ref, (rank, got, ref)
+
+
+def test_generate_refuses_to_guess_which_ranks_sample_together():
+    """A world of 4 ranks and a cache for 2: two DCP groups may serve different requests, so generate
+    needs the group named (cache.sample_over(group)); with it, the group's processor is added."""
+    from dsa_dcp.inspect.targets import fake_group
+    from dsa_dcp.integrations.transformers import DCPGroupSampling, DCPStaticCache, sampling_processor, tiny_model
+
+    config = tiny_model("deepseek_v32").config
+    with fake_group(4):
+        cache = DCPStaticCache(config, max_cache_len=MAX_LEN, batch_size=1, dcp_size=2)
+        with pytest.raises(ValueError, match=r"generate with a DCPStaticCache for dcp_size=2 in a world of 4 "
+                                             r"rank\(s\): .* name them: cache.sample_over\(group\)"):
+            sampling_processor(cache)
+        group = object()
+        processor = sampling_processor(cache.sample_over(group))
+        assert isinstance(processor, DCPGroupSampling) and processor.group is group
+        whole = DCPStaticCache(config, max_cache_len=MAX_LEN, batch_size=1, dcp_size=4)
+        assert sampling_processor(whole).group is None  # the world is the DCP group
+    assert sampling_processor(DCPStaticCache(config, max_cache_len=MAX_LEN, batch_size=1, dcp_size=1)) is None
+
+
 # --------------------------------------------------------------------------- GPU: bf16, ranks sharing one GPU
 
 

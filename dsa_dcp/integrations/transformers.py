@@ -21,6 +21,17 @@ the model itself, so a compiled wrapper's ``generate`` would run the model uncom
 cache refuses that loudly). transformers' ``cache_implementation=`` accepts only its own names, so
 the cache is passed as ``past_key_values``. On CUDA pass ``disable_compile=True`` to ``generate``
 so it does not wrap the already compiled model in its own ``torch.compile``.
+
+Every rank of the group runs the same ``generate`` and must choose the same tokens: each step's next
+token is the next step's input, and ranks fed different inputs corrupt every rank's result. Greedy
+decoding agrees by itself (the ranks' logits are the same); sampling would not where the ranks' random
+generators were seeded differently. So ``generate`` with a ``DCPStaticCache`` adds ``DCPGroupSampling``
+last to its logits processors (importing this module installs that): every step, rank 0's scores and
+random-generator state are broadcast to the group, and every rank chooses what rank 0 chooses
+(``do_sample=True``, greedy and beam search alike). The group is the world when it has ``dcp_size``
+ranks; otherwise name it with ``cache.sample_over(group)`` (``generate`` refuses to guess). Beam
+search (``num_beams > 1``, a cache allocated for ``batch_size * num_beams`` rows) reorders the cache
+in place (``DCPStaticCache.reorder_cache``).
 """
 
 from __future__ import annotations
@@ -33,11 +44,12 @@ from dsa_dcp.position_cache import as_position_cache, local_positions, round_up_
 
 try:
     import transformers
-    from transformers import StaticCache
+    from transformers import LogitsProcessor, StaticCache
 except ImportError as e:  # pragma: no cover - the optional extra
     raise ImportError("dsa_dcp.integrations.transformers needs transformers: pip install 'dsa-dcp[hf]'") from e
 
-__all__ = ["DCPStaticCache", "cache_dims", "cached_layout", "initialize_layers", "left_padded_prompts", "tiny_model",
+__all__ = ["DCPGroupSampling", "DCPStaticCache", "cache_dims", "cached_layout", "initialize_layers",
+           "left_padded_prompts", "sampling_processor", "tiny_model",
            "TINY_MODEL_TYPES"]
 
 TINY_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
@@ -170,3 +182,133 @@ class DCPStaticCache(StaticCache):
     def kv_positions_per_rank(self) -> list[int]:
         """Positions each layer's K and V hold in memory on this rank (``max_cache_len / dcp_size``)."""
         return [local_positions(t).shape[2] for layer in self.layers for t in (layer.keys, layer.values)]
+
+    # Beam search and sampling under DCP (module docstring); kept apart from __init__.
+    sampling_group = None  # the ranks that generate together (sample_over); None: the world
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search's cache reordering: every layer's rows (beams) take the rows ``beam_idx`` names,
+        in place. The batch dim is not split over the group, so each rank permutes the positions it
+        holds, the same way on every rank (every rank computes the same ``beam_idx`` from the same
+        scores); the tensors stay the ones the compiled step reads (transformers' static layers would
+        replace them with new ones, and a position cache cannot be indexed outside the compiled step)."""
+        for layer in self.layers:
+            for cache in (layer.keys, layer.values):
+                local = local_positions(cache)
+                local.copy_(local.index_select(0, beam_idx.to(local.device)))
+            if getattr(layer, "is_indexer_initialized", False) and layer.indexer_keys.numel() > 0:
+                keys = layer.indexer_keys
+                keys.copy_(keys.index_select(0, beam_idx.to(keys.device)))
+
+    def sample_over(self, group) -> "DCPStaticCache":
+        """Name the ranks that generate together with this cache (a ``torch.distributed`` process group:
+        the DCP group, or a larger one such as the TP group, all of whose ranks run the same requests).
+        Without it ``generate`` agrees over the world group when that has ``dcp_size`` ranks, and refuses
+        otherwise (two DCP groups serving different requests must not share their tokens). Returns the
+        cache."""
+        self.sampling_group = group
+        return self
+
+
+# --------------------------------------------------------------------------- sampling under DCP
+
+
+class DCPGroupSampling(LogitsProcessor):
+    """A logits processor that makes every rank of a group choose the token rank ``src`` chooses.
+
+    Called last on each step's scores (``generate`` adds it for a ``DCPStaticCache``), it broadcasts
+    rank ``src``'s scores and the state of the random generator ``generate`` samples from (the
+    default generator of the scores' device) to every rank of ``group``. Every rank then samples
+    (``do_sample=True``: ``torch.multinomial``), picks the argmax, or scores its beams from the same
+    numbers with the same generator state, so all of them choose what rank ``src`` alone would have
+    chosen, whatever seeds the ranks were started with: the serving engine's "sample once and
+    broadcast". One broadcast of ``[batch, vocab]`` floats and one of the generator state per step.
+    """
+
+    def __init__(self, group=None, src: int = 0) -> None:
+        self.group, self.src = group, src
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        root = dist.get_global_rank(self.group, self.src) if self.group is not None else self.src
+        # NCCL moves CUDA tensors only; any other backend (gloo) gets host tensors (gloo's collectives
+        # on CUDA tensors go through the host anyway, and its all-gather of them crashes)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
+            else torch.device("cpu")
+        moved = tensor.to(device).contiguous()
+        dist.broadcast(moved, src=root, group=self.group)
+        return moved.to(tensor.device)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return scores
+        scores = self._broadcast(scores)
+        if scores.is_cuda:
+            state = self._broadcast(torch.cuda.get_rng_state(scores.device))
+            torch.cuda.set_rng_state(state.cpu(), scores.device)
+        else:
+            torch.set_rng_state(self._broadcast(torch.get_rng_state()).cpu())
+        return scores
+
+
+def sampling_processor(cache: DCPStaticCache) -> DCPGroupSampling | None:
+    """The ``DCPGroupSampling`` ``generate`` adds for ``cache`` (``None`` for a single-rank cache or a
+    single process): over ``cache.sampling_group``, else the world when it has ``dcp_size`` ranks;
+    refuses (``ValueError``) a world of another size with no group named."""
+    import torch.distributed as dist
+
+    if getattr(cache, "dcp_size", 1) == 1:
+        return None
+    group = cache.sampling_group
+    if group is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:  # one process: nothing to agree with (the compiled step refuses the cache's layout)
+            return None
+        if world != cache.dcp_size:
+            raise ValueError(
+                f"generate with a DCPStaticCache for dcp_size={cache.dcp_size} in a world of {world} rank(s): the "
+                f"ranks that generate together must choose the same tokens, so name them: "
+                f"cache.sample_over(group) (the DCP group, or the group of every rank serving these requests)")
+    return DCPGroupSampling(group)
+
+
+def _install_group_sampling() -> None:
+    """Make ``generate`` add ``DCPGroupSampling`` last to its logits processors whenever it generates
+    with a ``DCPStaticCache`` of ``dcp_size > 1`` (wrapping ``GenerationMixin._get_logits_processor``,
+    where ``generate`` builds that list; idempotent). Without it, ranks seeded differently would
+    sample different tokens and feed them to the next step: every rank's result would be wrong."""
+    import functools
+    import inspect
+
+    import transformers
+    from transformers.generation.utils import GenerationMixin
+
+    original = getattr(GenerationMixin, "_get_logits_processor", None)
+    if original is None:  # refuse loudly: without it ranks seeded differently would sample different tokens
+        raise ImportError(
+            f"dsa_dcp.integrations.transformers makes generate agree on sampled tokens over the DCP group by "
+            f"wrapping GenerationMixin._get_logits_processor, which transformers {transformers.__version__} does "
+            f"not have (written against 5.17.0)")
+    if getattr(original, "_dsa_dcp_group_sampling", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _get_logits_processor(self, *args, **kwargs):
+        processors = original(self, *args, **kwargs)
+        model_kwargs = signature.bind_partial(self, *args, **kwargs).arguments.get("model_kwargs") or {}
+        cache = model_kwargs.get("past_key_values")
+        if isinstance(cache, DCPStaticCache) and not any(isinstance(p, DCPGroupSampling) for p in processors):
+            processor = sampling_processor(cache)
+            if processor is not None:
+                processors.append(processor)
+        return processors
+
+    _get_logits_processor._dsa_dcp_group_sampling = True
+    GenerationMixin._get_logits_processor = _get_logits_processor
+
+
+_install_group_sampling()

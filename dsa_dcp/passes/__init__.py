@@ -21,6 +21,8 @@ from dsa_dcp.passes.indexer import IndexerKernels
 from dsa_dcp.passes.kv_writes import LocalizeKVWrites
 from dsa_dcp.passes.recognize_attention import RecognizeSparseAttention
 from dsa_dcp.passes.share_remaps import ShareRemaps
+from dsa_dcp.passes.slot_bounds import SlotBounds
+from dsa_dcp.passes.step_inputs import StepInputs
 from dsa_dcp.position_cache import PositionShardedCache
 
 
@@ -50,4 +52,7 @@ def build_pipeline(ctx: CompileContext) -> Pipeline:
         rewrite.append(ShareRemaps())
     normalize: list[DCPPass] = [Canonicalize()] + recognize
     rewrite.append(FuseRemaps())
+    rewrite.append(SlotBounds())  # last: it checks the global slot ids the other passes' nodes read
+    if ctx.options.debug_checks:
+        rewrite.append(StepInputs())  # inserts at the graph's start: before every collective
     return Pipeline(normalize + indexer, rewrite)

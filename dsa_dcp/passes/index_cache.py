@@ -5,8 +5,10 @@ Expects: the graph the ``indexer_kernels`` pass leaves, where a recognized index
 a graph input read by ``index_scores`` or allocated by ``dsa_dcp.allocate_index_cache``; it is
 sharded when it also has a recorded layout (``kv_layout``: this rank's ``ceil(S/N)`` rows).
 
-``check`` refuses a cache that does not match the option, both ways, and, with
-``index_cache="sharded"``, any read of a sharded cache but ``index_scores`` (an indexer the
+``check`` refuses a cache that does not match the option, both ways; with
+``index_cache="sharded"``, a program with no index cache it can shard (a model whose indexer keeps
+its keys per request and position, as transformers' and the plain model's do: the option would
+save nothing, so it names the caches kept whole), and any read of a sharded cache but ``index_scores`` (an indexer the
 ``indexer_kernels`` pass did not recognize: its reason is in the message) and any use of its
 scores but ``topk_select`` (they hold this rank's candidates only). Its writes are
 ``localize_kv_writes``'s, as a KV cache's.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import torch
 import torch.fx as fx
 
 from dsa_dcp.kv_cache import is_index_cache, kv_layout
@@ -95,6 +98,8 @@ class IndexCache(DCPPass):
                         f"read by {user.format_node()}, not by a lightning indexer the indexer_kernels pass "
                         f"recognized{_why(user, left)}; only its index_scores can read a sharded index cache"
                         f"{where(user)}")
+        if mode == "sharded" and not plan.caches and not plan.problems:
+            plan.problems.append(_nothing_to_shard(gm, ctx))
         return plan
 
     @staticmethod
@@ -131,6 +136,34 @@ class IndexCache(DCPPass):
             graph.erase_node(scores)
         return {"index_cache": "sharded", "index_caches": len(plan.caches), "indexers_sharded": len(plan.indexers),
                 "collectives_inserted": sum(len(s) for _, s in plan.indexers)}
+
+
+def _nothing_to_shard(gm: fx.GraphModule, ctx: CompileContext) -> str:
+    """The refusal of ``index_cache="sharded"`` for a program with no index cache the pass can shard
+    (a model whose indexer reads a per-request key cache, such as transformers' ``indexer_keys``):
+    the option would otherwise do nothing, and every rank would keep every key. Names the caches
+    that stay whole on every rank."""
+    whole = [node.name for node, value in replicated_caches(gm, ctx.example_inputs).items()]
+    held = f"; these caches stay whole on every rank: {whole}" if whole else ""
+    return (f"index_cache='sharded' keeps only this rank's index keys, but this program has no index cache the "
+            f"index_cache pass can shard (one allocated by dsa_dcp.allocate_index_cache(..., sharded=True) and read "
+            f"by a lightning indexer the indexer_kernels pass recognized){held}. Compile with "
+            f"index_cache='replicated' (the default), or give the model a slot-indexed index cache (DSAModel(..., "
+            f"index_cache='sharded'))")
+
+
+def replicated_caches(gm: fx.GraphModule, example_inputs: tuple) -> dict[fx.Node, object]:
+    """Floating-point graph inputs the step writes in place that no DCP pass splits over the group
+    (neither a KV cache with a recorded layout nor a position cache): caches every rank holds whole,
+    such as an index-key cache indexed by request and position."""
+    from dsa_dcp.passes.dataflow import mutated_args
+    from dsa_dcp.position_cache import PositionShardedCache
+
+    values = placeholder_values(gm, example_inputs)
+    written = {alias_base(a) for node in gm.graph.nodes for a in mutated_args(node)}
+    return {node: value for node, value in values.items()
+            if node in written and isinstance(value, torch.Tensor) and value.is_floating_point()
+            and not isinstance(value, (torch.nn.Parameter, PositionShardedCache)) and kv_layout(value) is None}
 
 
 def _why(user: fx.Node, left: list[tuple[fx.Node, str]]) -> str:

@@ -29,6 +29,7 @@ from dsa_dcp.ops import INDEX_SCORES, KV_STORE, SPARSE_ATTENTION_OPS
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
 from dsa_dcp.passes.graph import Emitter, alias_base, placeholder_values, sparse_attention_nodes
+from dsa_dcp.position_cache import position_layout
 from dsa_dcp.slots import localize_slots
 
 
@@ -74,10 +75,21 @@ def kv_cache_inputs(gm: fx.GraphModule, example_inputs: tuple) -> dict[fx.Node, 
 
 
 def cache_layout_problems(gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
-    """Caches allocated for another ``dcp_size`` than the options', at any ``dcp_size`` (1 included)."""
+    """Caches allocated for another ``dcp_size`` than the options', at any ``dcp_size`` (1 included):
+    slot caches (``allocate_kv_cache``) and position caches (``PositionShardedCache``: a
+    ``DCPStaticCache`` or ``shard_position_caches`` for a group), each naming the option to pass."""
     if ctx.dcp_size > 1:
-        return []  # LocalizeKVWrites.check covers every cache, with the interleave too
+        return []  # LocalizeKVWrites.check and the position-cache pass cover every cache, with the interleave
     problems = []
+    for base, cache in placeholder_values(gm, ctx.example_inputs).items():
+        layout = position_layout(cache)
+        if layout is not None and layout.dcp_size != 1:
+            problems.append(
+                f"position cache {base.name} {list(cache.shape)} was allocated for dcp_size={layout.dcp_size}, "
+                f"interleave={layout.interleave} (this rank holds {layout.local_length} of its {layout.length} "
+                f"positions) but compiled for dcp_size=1; pass options={{'dcp_size': {layout.dcp_size}, "
+                f"'interleave': {layout.interleave}, ...}} to torch.compile (a DCP rank's cache cannot serve a "
+                f"single-rank program), or allocate the cache with dcp_size=1")
     for base, cache in kv_cache_inputs(gm, ctx.example_inputs).items():
         layout = kv_layout(cache)
         if layout.dcp_size != 1:

@@ -1,0 +1,135 @@
+"""Check the step's global slot ids against the pool on every rank, where they enter the program.
+
+Under DCP a rank holds ``local_cache_rows(S, N, I)`` rows, so a slot id past the pool (``>= S``,
+a page past the pool in the page table) is not out of range everywhere as it is on one device:
+its owner may write it into a spare row (when ``N * I`` does not divide ``S``) and attend over it,
+or fail alone while its peers wait in the next collective. This pass makes the program raise the
+single-rank model's ``IndexError`` on every rank instead, at the same point of the step.
+
+Expects: the graph the other rewrite passes leave (it runs last, so their plans stay valid).
+Leaves, before the first use of each global slot tensor that enters the step:
+
+- the slots of the KV writes: ``localize_slots(check_slots(slots, S, ...), N, r, I)``;
+- each page table the indexer ops read (``index_scores``, ``topk_select``, their sharded and fused
+  forms): ``check_pages(page_table, req_ids, P, S)``, read by all of them in its place;
+- each top-k given as a graph input: ``topk_remap(check_slots(topk, S, ...), N, r, I)``.
+
+A tensor the step writes in place (a top-k edited between layers) is checked before each reader
+instead, so that no reader sees a copy taken before the edit. ``S`` is the smallest pool of the caches involved (their recorded layout, or a replicated index
+cache's rows). Every rank checks the same global ids (the group feeds the same step inputs), so all
+raise or none does. The checks are ``dsa_dcp.ops.CHECK_SLOTS`` / ``CHECK_PAGES``: a host-side check of
+CPU tensors, a device-side assertion on CUDA (no host sync); each costs one
+elementwise pass over ``T`` slots or ``T x max_pages`` pages per step. A top-k computed inside the
+step comes from the page table (checked) or from the model's own gather of a replicated cache
+(which raises on every rank alike).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from dsa_dcp.kv_cache import is_index_cache, kv_layout
+from dsa_dcp.ops import CHECK_PAGES, CHECK_SLOTS, INDEX_SCORES, INDEX_SCORES_SHARDED, KV_STORE, TOPK_AGREE, \
+    TOPK_AGREE_REMAP, TOPK_REMAP, TOPK_SELECT, TOPK_SELECT_REMAP
+from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
+from dsa_dcp.passes.dataflow import mutated_args
+from dsa_dcp.passes.graph import Emitter, alias_base, placeholder_values
+from dsa_dcp.slots import localize_slots
+
+# op -> argument positions of (page_table, req_ids, page_size)
+PAGE_TABLE_ARGS = {
+    INDEX_SCORES: (4, 5, 7), INDEX_SCORES_SHARDED: (4, 5, 7),
+    TOPK_SELECT: (1, 2, 3), TOPK_SELECT_REMAP: (1, 2, 3), TOPK_AGREE: (1, 2, 3), TOPK_AGREE_REMAP: (1, 2, 3),
+}
+
+
+def pool_size(value: object) -> int | None:
+    """The global slots of a slot cache: its recorded layout's, a replicated index cache's rows."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    layout = kv_layout(value)
+    if layout is not None:
+        return layout.num_slots
+    return value.shape[0] if is_index_cache(value) else None
+
+
+class SlotBounds(DCPPass):
+    name = "slot_bounds"
+
+    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> Plan:
+        return Plan()  # nothing to refuse: the checks happen when the step runs
+
+    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: Plan) -> dict:
+        graph = gm.graph
+        values = placeholder_values(gm, ctx.example_inputs)
+        pools = [s for s in (pool_size(v) for v in values.values()) if s is not None]
+        if not pools:
+            return {"slot_checks": 0, "page_checks": 0}
+        smallest = min(pools)
+        # a tensor the step writes in place (a top-k edited between layers) is checked before each
+        # reader, so no reader sees a copy taken before the edit; any other is checked once
+        written = {alias_base(a) for node in graph.nodes for a in mutated_args(node)}
+
+        def pool_of(cache: fx.Node) -> int:
+            size = pool_size(values.get(alias_base(cache)))
+            return size if size is not None else smallest
+
+        def guard(readers: dict[tuple, list[fx.Node]], position: int | Callable[[fx.Node], int], target: Any,
+                  extra: Callable[[tuple, list[fx.Node]], tuple]) -> int:
+            """Put ``target(tensor, *extra(readers))`` before the first reader of each tensor (each
+            reader when the tensor is written in place) and make the readers read its result."""
+            count = 0
+            for key, users in readers.items():
+                tensor = key[0]
+                for batch in ([[u] for u in users] if alias_base(tensor) in written else [users]):
+                    emit = Emitter(graph, like=batch[0])
+                    with graph.inserting_before(batch[0]):
+                        checked = emit(target, tensor, *extra(key, batch))
+                    for user in batch:
+                        pos = position if isinstance(position, int) else position(user)
+                        user.args = (*user.args[:pos], checked, *user.args[pos + 1:])
+                    count += 1
+            return count
+
+        def readers_of(select: Callable[[fx.Node], tuple | None]) -> dict[tuple, list[fx.Node]]:
+            found: dict[tuple, list[fx.Node]] = {}
+            for node in graph.nodes:
+                key = select(node) if node.op == "call_function" else None
+                if key is not None:
+                    found.setdefault(key, []).append(node)
+            return found
+
+        # the KV writes' slots (one localization per slots tensor, shared by the layers' writes)
+        slot_checks = guard(
+            readers_of(lambda n: (n.args[0],) if n.target is localize_slots and any(
+                u.target is KV_STORE for u in n.users) else None), 0, CHECK_SLOTS,  # not a position cache's
+            lambda key, batch: (min((pool_of(u.args[0]) for loc in batch for u in loc.users if u.target is KV_STORE),
+                                    default=smallest), "the step's write slots"))
+        # the page tables the indexer ops read, with the request ids and page size they read them by
+        page_checks = guard(
+            readers_of(lambda n: tuple(n.args[i] for i in PAGE_TABLE_ARGS[n.target]) if n.target in PAGE_TABLE_ARGS
+                       else None),
+            lambda user: PAGE_TABLE_ARGS[user.target][0], CHECK_PAGES, lambda key, batch: (key[1], key[2], smallest))
+        # a top-k the step is given (one computed inside it comes from the checked page table)
+        slot_checks += guard(
+            readers_of(lambda n: (n.args[0],) if n.target is TOPK_REMAP and alias_base(n.args[0]).op == "placeholder"
+                       else None), 0, CHECK_SLOTS,
+            lambda key, batch: (_attended_pool(batch, pool_of, smallest), "the step's top-k input"))
+        return {"slot_checks": slot_checks, "page_checks": page_checks}
+
+
+def _attended_pool(remaps: list[fx.Node], pool_of: Callable[[fx.Node], int], smallest: int) -> int:
+    """The pool of the caches the attention after these remaps reads (``smallest`` if none is found)."""
+    from dsa_dcp.ops import SPARSE_ATTENTION_OPS
+
+    sizes = []
+    for remap in remaps:
+        for item in remap.users:
+            for attn in item.users:
+                if attn.op == "call_function" and attn.target in SPARSE_ATTENTION_OPS and \
+                        SPARSE_ATTENTION_OPS[attn.target].cache_layout == "slots":
+                    sizes.append(pool_of(attn.args[2]))
+    return min(sizes, default=smallest)
