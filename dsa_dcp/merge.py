@@ -105,7 +105,7 @@ class MergeStrategy:
     """One merge mode (``options.merge``).
 
     ``emit(emit, out_r, lse_r, site)`` inserts the merge of this rank's ``(out_r[B, H, D], lse_r[B, H])``
-    through ``emit`` (a ``passes.graph.Emitter``) and returns the node of the merged ``(out, lse)``
+    through ``emit`` (a ``passes.fx.Emitter``) and returns the node of the merged ``(out, lse)``
     tuple: all ``H`` heads, or only this rank's head group when ``head_sharded``.
     ``collectives``: data-moving collectives it adds per layer (a fused merge counts as one; the
     head-sharded epilogue's all-reduce is not counted here). ``symmetric_memory``: on CUDA it needs a

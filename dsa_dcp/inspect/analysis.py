@@ -18,9 +18,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from dsa_dcp.ops import FUSED_REMAPS
-from dsa_dcp.passes.graph import FUSED_MERGE, MERGE_TARGETS, TOPK_REMAP, alias_base, is_collective, \
-    sparse_attention_nodes
+from dsa_dcp.ops import FUSED_REMAPS, TOPK_REMAP
+from dsa_dcp.passes.fx import alias_base
+from dsa_dcp.passes.graph import FUSED_MERGE, MERGE_TARGETS, is_collective, sparse_attention_nodes
 
 
 # Bytes a rank sends for one collective whose per-rank input is ``b`` bytes, over ``n`` ranks

@@ -20,8 +20,7 @@ import torch.fx as fx
 
 from dsa_dcp.config import DCPOptions
 from dsa_dcp.lowering.cuda_graphs import CudaGraphStep
-from dsa_dcp.passes.dataflow import mutated_args, target_name
-from dsa_dcp.passes.graph import alias_base
+from dsa_dcp.passes.fx import alias_base, mutated_args, overwrites
 from dsa_dcp.position_cache import PositionShardedCache, local_positions
 
 
@@ -36,25 +35,10 @@ def written_inputs(gm: fx.GraphModule) -> list[int]:
     return [i for i, p in enumerate(placeholders) if p in written]
 
 
-# in-place writes whose result does not depend on what they overwrite: repeating one with the same
-# arguments changes nothing (a KV write of the same rows into the same slots)
-_OVERWRITES = {"setitem", "__setitem__", "copy_", "index_copy_", "index_fill_", "fill_", "zero_", "masked_fill_",
-               "masked_scatter_", "scatter_", "dsa_dcp.kv_store.default", "dsa_dcp.position_store.default"}
-
-
-def _overwrites(node: fx.Node) -> bool:
-    name = target_name(node.target)
-    if name in ("index_put_", "aten.index_put_.default"):
-        return not node.kwargs.get("accumulate", len(node.args) > 3 and node.args[3])
-    if name.startswith("scatter_"):
-        return "reduce" not in node.kwargs and len(node.args) <= 4
-    return name in _OVERWRITES
-
-
 def accumulated_inputs(gm: fx.GraphModule) -> list[int]:
     """Positions of the graph's inputs that it updates from their own value (``counter.add_(n)``,
     ``x += y``): running the step again changes them again, which a KV write of the same rows does not."""
-    accumulated = {alias_base(a) for node in gm.graph.nodes if not _overwrites(node) for a in mutated_args(node)}
+    accumulated = {alias_base(a) for node in gm.graph.nodes if not overwrites(node) for a in mutated_args(node)}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return [i for i, p in enumerate(placeholders) if p in accumulated]
 

@@ -20,7 +20,6 @@ between these two points of the program".
 from __future__ import annotations
 
 import bisect
-import operator
 
 import networkx as nx
 import torch
@@ -28,62 +27,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from dsa_dcp.position_cache import local_positions
-from dsa_dcp.passes.graph import VIEW_FUNCTIONS, VIEW_METHODS, node_kind, placeholder_values, recorded_layer
-
-_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand,
-                      operator.ior, operator.ixor, operator.ilshift, operator.irshift}
-_INPLACE_DUNDERS = {f"__{op.__name__}__" for op in _INPLACE_OPERATORS}  # t.__setitem__, t.__iadd__, ...
-
-
-def target_name(target: object) -> str:
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return str(target)
-    return getattr(target, "__name__", str(target))
-
-
-def _nodes(value: object) -> list[fx.Node]:
-    """The nodes in an argument (a node, or a list/tuple of them as in ``out=(a, b)``)."""
-    if isinstance(value, fx.Node):
-        return [value]
-    return [v for v in value if isinstance(v, fx.Node)] if isinstance(value, (tuple, list)) else []
-
-
-def mutated_args(node: fx.Node) -> list[fx.Node]:
-    """The argument nodes ``node`` may write in place (every tensor argument of an opaque call)."""
-    target, args = node.target, node.args
-    first = [args[0]] if args and isinstance(args[0], fx.Node) else []
-    if node.op == "call_method":
-        return first if (target.endswith("_") and not target.startswith("_")) or target in _INPLACE_DUNDERS else []
-    if node.op == "call_module":
-        return node.all_input_nodes  # opaque: assume the worst
-    if node.op != "call_function":
-        return []
-    if target in _INPLACE_OPERATORS:
-        return first
-    if getattr(target, "__module__", None) in ("operator", "_operator"):
-        return []  # and_, or_, not_ end in "_" but are pure
-    written = _nodes(node.kwargs.get("out"))
-    if node.kwargs.get("inplace") is True:
-        written += first
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        schemas = [target._schema] if isinstance(target, torch._ops.OpOverload) else \
-            [getattr(target, o)._schema for o in target.overloads()]
-        for schema in schemas:
-            for i, arg in enumerate(schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    value = args[i] if i < len(args) else node.kwargs.get(arg.name)
-                    written += _nodes(value)
-        return written
-    name = getattr(target, "__name__", "")
-    if (name.endswith("_") and not name.startswith("_")) or name in _INPLACE_DUNDERS:
-        return first + written
-    owner = getattr(target, "__objclass__", None)  # torch.Tensor.view and friends
-    module = getattr(target, "__module__", None) or ""
-    known = (isinstance(owner, type) and issubclass(owner, torch._C.TensorBase)) or \
-        module.split(".")[0] in ("torch", "math", "builtins", "dsa_dcp")
-    return written if known else node.all_input_nodes  # a function dynamo kept opaque: assume the worst
-
+from dsa_dcp.passes.fx import is_view, mutated_args, placeholder_values, recorded_layer, target_name
+from dsa_dcp.passes.graph import node_kind
 
 def to_networkx(graph: fx.Graph) -> nx.DiGraph:
     """The dataflow of ``graph`` as a ``DiGraph`` keyed by node name (attributes: module docstring)."""
@@ -150,9 +95,7 @@ def alias_classes(gm: fx.GraphModule, example_inputs: tuple = ()) -> dict[str, i
         real = local_positions(real) if isinstance(real, torch.Tensor) else real  # a position cache: its storage
         if isinstance(real, torch.Tensor) and real.untyped_storage().data_ptr():
             links.add_edge(node.name, ("real", real.untyped_storage().data_ptr()))
-        if fake is None and node.args and isinstance(node.args[0], fx.Node) and (
-                (node.op == "call_method" and node.target in VIEW_METHODS)
-                or (node.op == "call_function" and node.target in VIEW_FUNCTIONS)):
+        if fake is None and is_view(node):
             links.add_edge(node.name, node.args[0].name)
     classes = {}
     for i, component in enumerate(nx.connected_components(links)):

@@ -8,7 +8,7 @@ Leaves, for each attention node ``(out, lse) = attn(q_nope, q_pe, kv, topk, scal
     out_r, lse_r = attn(q_nope, q_pe, kv, local, scale)      # empty rows are (0, -inf) by contract
     out, lse = <the merge strategy's nodes>(out_r, lse_r)    # dsa_dcp.merge.MERGES[options.merge]
 
-For the head-sharded merges the layer's epilogue is sharded too (``head_shard.HeadEpilogue``). A
+For the head-sharded merges the layer's epilogue is sharded too (``match/epilogue.py``, sharded by ``head_shard.py``). A
 layer whose epilogue cannot be sharded (or whose model reads the LSE) merges with ``ag`` instead,
 with a warning naming the node. ``check`` returns the plan (a ``LayerPlan`` per attention node)
 that ``run`` carries out; a graph it refuses is left untouched. Layers that share a top-k tensor get
@@ -28,9 +28,10 @@ from dsa_dcp.merge import MERGES, MergeSite, MergeStrategy
 from dsa_dcp.ops import TOPK_REMAP
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
-from dsa_dcp.passes.graph import Emitter, alias_base, getitem_users, placeholder_values, recorded_layer, \
-    sparse_attention_nodes
-from dsa_dcp.passes.head_shard import HeadEpilogue
+from dsa_dcp.passes.fx import Emitter, alias_base, getitem_users, placeholder_values, recorded_layer
+from dsa_dcp.passes.graph import sparse_attention_nodes
+from dsa_dcp.passes.head_shard import shard
+from dsa_dcp.passes.match.epilogue import HeadEpilogue
 
 ALL_GATHER = MERGES["ag"]
 
@@ -146,7 +147,7 @@ class DCPRewrite(DCPPass):
                 old[i].replace_all_uses_with(replacement)
                 graph.erase_node(old[i])
         if layer.epilogue is not None:
-            all_reduce = layer.epilogue.shard(gm, n, ctx.rank, ctx.group_name)
+            all_reduce = shard(layer.epilogue, gm, n, ctx.rank, ctx.group_name)
             if checks is not None:
                 with graph.inserting_before(all_reduce):
                     checks.insert(topk, kv, index)

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from dsa_dcp.ops import TOPK_AGREE, TOPK_AGREE_REMAP, TOPK_REMAP, TOPK_SELECT, TOPK_SELECT_REMAP
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan, log
-from dsa_dcp.passes.graph import Emitter
+from dsa_dcp.passes.fx import Emitter
 
 FUSED = {TOPK_SELECT: TOPK_SELECT_REMAP, TOPK_AGREE: TOPK_AGREE_REMAP}
 

@@ -72,8 +72,8 @@ _SPELLINGS = {"logical_and": "and", "bitwise_and": "and", "__and__": "and", "log
 
 
 def op_name(node: object) -> str | None:
-    """The op's one name for tensor methods, torch functions and operators (``None`` for anything else,
-    ATen overloads included: those are named by ``target_name``)."""
+    """The op's one name for tensor methods, torch functions, Python operators and ATen ops
+    (``None`` for anything else: other namespaces' ops are named by ``target_name``)."""
     if not isinstance(node, fx.Node):
         return None
     if node.op == "call_method":
@@ -83,7 +83,12 @@ def op_name(node: object) -> str | None:
     target = node.target
     if target in _OPERATOR_NAMES:
         return _OPERATOR_NAMES[target]
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or not _is_torch_function(target):
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname if target.namespace == "aten" else None
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        namespace, name = target._qualified_op_name.split("::")
+        return name if namespace == "aten" else None
+    if not _is_torch_function(target):
         return None
     name = getattr(target, "__name__", None)
     return _SPELLINGS.get(name, name)

@@ -1,193 +1,59 @@
 """Shard a layer's attention epilogue by heads, for the head-sharded merges (``a2a``, ``ag_rs``,
 ``fused_a2a``): after them rank ``r`` holds the attention output of heads ``[r*H/N, (r+1)*H/N)`` only.
 
-The canonical absorbed-MLA epilogue is ``einsum("thc,hcv->thv", out, w_uv)`` -> ``flatten(1)`` ->
-``linear(., w_o[, bias])``. Models written elsewhere reach their output projection through other
-steps, for example::
-
-    x = out.unflatten(0, (b, s))                            # [B, S, H, Dc]   (recognize_attention)
-    x = torch.einsum("bshc,hdc->bshd", x, wkv_b[:, -v:])    # per-head value up-projection, weight
-    y = wo(x.flatten(2)).type_as(x)                         #   sliced per step from a fused parameter
-
-    x = out.unflatten(0, (b, s)).transpose(1, 2)           # transformers: [B, H, S, Dv]
-    x = x.transpose(1, 2).contiguous().reshape(b, s, -1).contiguous()
-    y = o_proj(x)                                           # linear, maybe with a bias
-
-``HeadEpilogue.match(out)`` follows the attention output ``[R, H, D]`` through single-user steps,
-tracking where the head axis is from the recorded shapes: casts and ``contiguous``,
-``transpose``/``permute``, ``unflatten``/``view``/``reshape`` that keep the head axis whole, a
-per-head ``einsum`` with a weight indexed by head first, then a ``flatten``/``view``/``reshape``
-that merges the heads with the dims after them (head-major), views that keep that last dim, and
-``linear(x, w[, bias])``. ``shard`` rewrites it for the rank's head group: the per-head weight and
-the output projection's columns are sliced (views of the weights the graph already has: no weight
-is copied or held twice, and Inductor folds the slices into the matrix products' strides),
-explicit sizes of the head axis are divided by ``N``, an all-reduce (sum) follows the projection,
-with the bias added after it, and the metadata of every step is recomputed for its new shape.
-Anything else does not match (``None``): the DCP rewrite then merges that layer with ``ag``.
+``shard(epilogue, ...)`` rewrites a ``HeadEpilogue`` (``passes/match/epilogue.py``) for the rank's
+head group: the per-head weight and the output projection's columns are sliced (views of the
+weights the graph already has: no weight is copied or held twice, and Inductor folds the slices
+into the matrix products' strides), explicit sizes of the head axis are divided by ``N``, an
+all-reduce (sum) follows the projection, with the bias added after it, and the metadata of every
+step is recomputed for its new shape. A layer whose epilogue does not match merges with ``ag``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import operator
 
 import torch
 import torch.fx as fx
 
 from dsa_dcp.ops import C10D
-from dsa_dcp.passes.graph import Emitter, only_user, refresh_meta
-
-EINSUM = {torch.einsum, torch.functional.einsum}
-LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
-SAME_SHAPE_METHODS = {"contiguous", "clone", "to", "type_as", "float", "half", "bfloat16", "type"}
+from dsa_dcp.passes import fx as F
+from dsa_dcp.passes.match.epilogue import HeadEpilogue, Resize
 
 
-def _shape(node: fx.Node) -> list:
-    return list(node.meta["example_value"].shape)
+def shard(epilogue: HeadEpilogue, gm: fx.GraphModule, dcp_size: int, rank: int, group_name: str) -> fx.Node:
+    """Rewrite ``epilogue`` in place for this rank's head group (module docstring); returns the all-reduce."""
+    graph = gm.graph
+    group = epilogue.heads // dcp_size
+    emit = F.Emitter(graph, like=epilogue.linear)
+    for einsum in epilogue.einsums:
+        with graph.inserting_before(einsum):
+            part = emit(operator.getitem, einsum.args[2], slice(rank * group, (rank + 1) * group))
+        einsum.update_arg(2, part)
+    for resize in epilogue.resizes:
+        _shrink_size_arg(resize, dcp_size)
+    F.refresh_meta(epilogue.steps)  # their head axis shrank to H/N
+    w_o = epilogue.linear.args[1]
+    cols = F.shape(w_o)[1] // dcp_size
+    bias = epilogue.linear.args[2] if len(epilogue.linear.args) > 2 else epilogue.linear.kwargs.get("bias")
+    with graph.inserting_before(epilogue.linear):
+        w_part = emit(operator.getitem, w_o, (slice(None), slice(rank * cols, (rank + 1) * cols)))
+    epilogue.linear.args = (epilogue.linear.args[0], w_part)
+    epilogue.linear.kwargs = {}
+    with graph.inserting_after(epilogue.linear):
+        reduced = emit(C10D.all_reduce.default, epilogue.linear, "sum", group_name)
+    with graph.inserting_after(reduced):
+        result = emit(C10D.wait_tensor.default, reduced)
+    if bias is not None:
+        with graph.inserting_after(result):
+            result = emit(torch.add, result, bias)
+    for user in list(epilogue.linear.users):
+        if user is not reduced:
+            user.replace_input_with(epilogue.linear, result)
+    return reduced
 
 
-def _prod(xs) -> object:
-    return math.prod(xs) if xs else 1
-
-
-@dataclasses.dataclass
-class _Resize:
-    node: fx.Node
-    position: int  # which output axis holds the heads (or the merged heads) and must shrink by N
-
-
-@dataclasses.dataclass
-class HeadEpilogue:
-    """A matched epilogue: the per-head weights, the resizes on the way, and the projection."""
-
-    einsums: list[fx.Node]
-    resizes: list[_Resize]
-    linear: fx.Node
-    heads: int
-    steps: list[fx.Node]  # every node from the attention output to the projection, in order
-
-    @classmethod
-    def match(cls, out: fx.Node) -> HeadEpilogue | None:
-        shape = _shape(out)
-        if len(shape) != 3:
-            return None
-        heads, axis, merged = shape[1], 1, False
-        einsums, resizes, steps = [], [], []
-        cur = out
-        for _ in range(64):  # the walk is short; a bound keeps a malformed graph from looping
-            user = only_user(cur)
-            if merged and user is None:  # `linear(x, w).type_as(x)`: x is also read for its dtype
-                users = [u for u in cur.users if not _reads_dtype_only(u, cur)]
-                user = users[0] if len(users) == 1 else None
-            if user is None:
-                return None
-            if merged and user.op == "call_function" and user.target in LINEAR and user.args[0] is cur \
-                    and isinstance(user.args[1], fx.Node) and _shape(user.args[1])[1] == _shape(cur)[-1]:
-                return cls(einsums, resizes, user, heads, steps)
-            step = _step(user, cur, axis, merged, heads)
-            if step is None:
-                return None
-            axis, merged, kind = step
-            if kind == "einsum":
-                einsums.append(user)
-            elif isinstance(kind, int):
-                resizes.append(_Resize(user, kind))
-            steps.append(user)
-            cur = user
-        return None
-
-    def shard(self, gm: fx.GraphModule, dcp_size: int, rank: int, group_name: str) -> fx.Node:
-        """Rewrite in place for this rank's head group (see module docstring); returns the all-reduce."""
-        graph = gm.graph
-        group = self.heads // dcp_size
-        emit = Emitter(graph, like=self.linear)
-        for einsum in self.einsums:
-            with graph.inserting_before(einsum):
-                part = emit(operator.getitem, einsum.args[2], slice(rank * group, (rank + 1) * group))
-            einsum.update_arg(2, part)
-        for resize in self.resizes:
-            _shrink_size_arg(resize, dcp_size)
-        refresh_meta(self.steps)  # their head axis shrank to H/N
-        w_o = self.linear.args[1]
-        cols = _shape(w_o)[1] // dcp_size
-        bias = self.linear.args[2] if len(self.linear.args) > 2 else self.linear.kwargs.get("bias")
-        with graph.inserting_before(self.linear):
-            w_part = emit(operator.getitem, w_o, (slice(None), slice(rank * cols, (rank + 1) * cols)))
-        self.linear.args = (self.linear.args[0], w_part)
-        self.linear.kwargs = {}
-        with graph.inserting_after(self.linear):
-            reduced = emit(C10D.all_reduce.default, self.linear, "sum", group_name)
-        with graph.inserting_after(reduced):
-            result = emit(C10D.wait_tensor.default, reduced)
-        if bias is not None:
-            with graph.inserting_after(result):
-                result = emit(torch.add, result, bias)
-        for user in list(self.linear.users):
-            if user is not reduced:
-                user.replace_input_with(self.linear, result)
-        return reduced
-
-
-def _reads_dtype_only(user: fx.Node, node: fx.Node) -> bool:
-    """``y.type_as(node)``: ``node``'s dtype, not its values or shape."""
-    return user.op == "call_method" and user.target == "type_as" and len(user.args) == 2 \
-        and user.args[1] is node and user.args[0] is not node
-
-
-def _step(node: fx.Node, src: fx.Node, axis: int, merged: bool, heads: int):
-    """``(new axis, merged, kind)`` for one step of the walk (``kind``: "einsum", the output axis of
-    a resize to shard, or None), or ``None`` if the step does not keep the heads traceable."""
-    is_einsum = node.op == "call_function" and node.target in EINSUM
-    if (node.args[1] if is_einsum and len(node.args) > 1 else node.args[0]) is not src:
-        return None
-    before, after = _shape(src), _shape(node)
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
-    if node.op == "call_method" and name in SAME_SHAPE_METHODS and after == before:
-        return axis, merged, None
-    if merged:  # only views that keep the merged last dim, up to the projection
-        if name in ("view", "reshape") and after[-1] == before[-1] and _prod(after) == _prod(before):
-            return axis, True, len(after) - 1
-        return None
-    if node.op == "call_function" and node.target in EINSUM and len(node.args) == 3 \
-            and isinstance(node.args[0], str) and node.args[1] is src and isinstance(node.args[2], fx.Node):
-        lhs, _, res = node.args[0].replace(" ", "").partition("->")
-        ops = lhs.split(",")
-        if len(ops) != 2 or len(ops[0]) != len(before):
-            return None
-        head = ops[0][axis]
-        if ops[1][:1] != head or head not in res or _shape(node.args[2])[0] != heads:
-            return None
-        return res.index(head), False, "einsum"
-    if name == "transpose" and node.op == "call_method":
-        a, b = (d % len(before) for d in node.args[1:3])
-        return (b if axis == a else a if axis == b else axis), False, None
-    if name == "permute" and node.op == "call_method":
-        dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
-        dims = [d % len(before) for d in dims]
-        return dims.index(axis), False, None
-    if name == "flatten":  # x.flatten(...) or torch.flatten(x, ...)
-        start = (node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)) % len(before)
-        end = (node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)) % len(before)
-        if axis < start:
-            return axis, False, None
-        if axis > end:
-            return axis - (end - start), False, None
-        if axis == start and end == len(before) - 1:
-            return axis, True, None
-        return None
-    if name in ("view", "reshape", "unflatten") and node.op == "call_method":
-        inner = _prod(before[:axis])
-        for j in range(len(after)):  # the head axis kept whole, at the same row-major offset
-            if after[j] == heads and _prod(after[:j]) == inner and _prod(after[j + 1:]) == _prod(before[axis + 1:]):
-                return j, False, (j if name != "unflatten" else None)
-        if after[-1] == _prod(before[axis:]) and _prod(after[:-1]) == inner and name != "unflatten":
-            return len(after) - 1, True, len(after) - 1
-        return None
-    return None
-
-
-def _shrink_size_arg(resize: _Resize, dcp_size: int) -> None:
+def _shrink_size_arg(resize: Resize, dcp_size: int) -> None:
     """Divide the explicit size of the (merged) head axis of a ``view``/``reshape`` by ``N``."""
     node = resize.node
     sizes = list(node.args[1]) if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else list(node.args[1:])

@@ -35,7 +35,7 @@ from dsa_dcp.kv_cache import is_index_cache, kv_layout
 from dsa_dcp.ops import C10D, INDEX_SCORES, INDEX_SCORES_SHARDED, TOPK_AGREE, TOPK_CANDIDATES, TOPK_SELECT
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
-from dsa_dcp.passes.graph import Emitter, alias_base, placeholder_values, users_in_order
+from dsa_dcp.passes.fx import Emitter, alias_base, placeholder_values, users_in_order
 from dsa_dcp.passes.indexer import find_indexers
 from dsa_dcp.passes.kv_writes import _is_localizable_write as is_localizable_write
 
@@ -156,7 +156,7 @@ def replicated_caches(gm: fx.GraphModule, example_inputs: tuple) -> dict[fx.Node
     """Floating-point graph inputs the step writes in place that no DCP pass splits over the group
     (neither a KV cache with a recorded layout nor a position cache): caches every rank holds whole,
     such as an index-key cache indexed by request and position."""
-    from dsa_dcp.passes.dataflow import mutated_args
+    from dsa_dcp.passes.fx import mutated_args
     from dsa_dcp.position_cache import PositionShardedCache
 
     values = placeholder_values(gm, example_inputs)

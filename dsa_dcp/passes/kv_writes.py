@@ -28,7 +28,8 @@ from dsa_dcp.kv_cache import kv_layout
 from dsa_dcp.ops import INDEX_SCORES, KV_STORE, SPARSE_ATTENTION_OPS
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
-from dsa_dcp.passes.graph import Emitter, alias_base, placeholder_values, sparse_attention_nodes
+from dsa_dcp.passes.fx import Emitter, alias_base, placeholder_values
+from dsa_dcp.passes.graph import sparse_attention_nodes
 from dsa_dcp.position_cache import position_layout
 from dsa_dcp.slots import localize_slots
 

@@ -69,8 +69,9 @@ class RecognizeSparseAttention(DCPPass):
         problems, declined, matches, writes = [], [], [], []
         if not layouts:
             return RecognitionPlan(problems, [], layouts, matches, writes)
-        for cache, layout in layouts.items():
-            problems += layout_problems(cache, layout, ctx.dcp_size, ctx.options.interleave)
+        if ctx.dcp_size > 1:  # at 1, a cache allocated for a group is refused by validation (kv_writes)
+            for cache, layout in layouts.items():
+                problems += layout_problems(cache, layout, ctx.dcp_size, ctx.options.interleave)
         for node in gm.graph.nodes:
             if F.calls(node, SOFTMAX, ("softmax",)):
                 match, why = match_softmax_attention(node, caches)

@@ -25,7 +25,7 @@ from dsa_dcp.ops import SPARSE_ATTENTION_OPS
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan, log
 from dsa_dcp.passes.dataflow import alias_classes, to_networkx
 from dsa_dcp.ops import TOPK_REMAP
-from dsa_dcp.passes.graph import getitem_users
+from dsa_dcp.passes.fx import getitem_users
 from dsa_dcp.passes.values import ValueNumbering
 
 

@@ -35,8 +35,8 @@ from dsa_dcp.kv_cache import is_index_cache, kv_layout
 from dsa_dcp.ops import CHECK_PAGES, CHECK_SLOTS, INDEX_SCORES, INDEX_SCORES_SHARDED, KV_STORE, TOPK_AGREE, \
     TOPK_AGREE_REMAP, TOPK_REMAP, TOPK_SELECT, TOPK_SELECT_REMAP
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
-from dsa_dcp.passes.dataflow import mutated_args
-from dsa_dcp.passes.graph import Emitter, alias_base, placeholder_values
+from dsa_dcp.passes.fx import mutated_args
+from dsa_dcp.passes.fx import Emitter, alias_base, placeholder_values
 from dsa_dcp.slots import localize_slots
 
 # op -> argument positions of (page_table, req_ids, page_size)

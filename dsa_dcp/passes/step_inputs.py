@@ -23,8 +23,8 @@ import torch.fx as fx
 from dsa_dcp.debug_checks import check_step_inputs
 from dsa_dcp.kv_cache import is_index_cache, kv_layout
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
-from dsa_dcp.passes.dataflow import mutated_args
-from dsa_dcp.passes.graph import alias_base, placeholder_values
+from dsa_dcp.passes.fx import mutated_args
+from dsa_dcp.passes.fx import alias_base, placeholder_values
 from dsa_dcp.position_cache import PositionShardedCache
 
 

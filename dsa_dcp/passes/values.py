@@ -27,8 +27,8 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from dsa_dcp.passes.dataflow import Writes, real_tensor_key, target_name
-from dsa_dcp.passes.graph import VIEW_FUNCTIONS, VIEW_METHODS, placeholder_values
+from dsa_dcp.passes.dataflow import Writes, real_tensor_key
+from dsa_dcp.passes.fx import is_view, op_name, placeholder_values, target_name
 
 # Ops whose result holds their input's values when shape, dtype and device are unchanged.
 SAME_VALUE_OPS = {"clone", "contiguous", "detach", "to", "type", "type_as", "int", "long", "alias", "_to_copy",
@@ -38,30 +38,6 @@ CONVERT_OPS = {"to", "type", "type_as", "int", "long", "_to_copy"}  # to another
 # Row-major reshapes: the result is the input's values in another shape, whatever the path to it.
 RESHAPE_OPS = {"view", "_unsafe_view", "reshape", "reshape_as", "view_as", "flatten", "unflatten", "squeeze",
                "unsqueeze"}
-
-
-def _shape_key(shape) -> tuple:
-    """A hashable shape: symbolic sizes (dynamic shapes) by their expression."""
-    return tuple(d if isinstance(d, int) else str(d) for d in shape)
-
-
-def _op_name(node: fx.Node) -> str | None:
-    """The op's plain name for aten ops, tensor methods and torch functions; ``None`` otherwise."""
-    target = node.target
-    if node.op == "call_method":
-        return target
-    if node.op != "call_function":
-        return None
-    if isinstance(target, torch._ops.OpOverload):
-        return target._opname if target.namespace == "aten" else None
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        ns, name = target._qualified_op_name.split("::")
-        return name if ns == "aten" else None
-    owner = getattr(target, "__objclass__", None)
-    if (isinstance(owner, type) and issubclass(owner, torch._C.TensorBase)) or \
-            (getattr(target, "__module__", None) or "").startswith("torch"):
-        return getattr(target, "__name__", None)
-    return None
 
 
 def _same_meta(a: fx.Node, b: fx.Node, shape: bool = True, dtype: bool = True) -> bool:
@@ -139,7 +115,7 @@ class ValueNumbering:
     def _derivation(self, node: fx.Node) -> tuple[fx.Node, object] | None:
         """``(source, view)``: node's value is ``source``'s (``view is None``) or a function of it named by
         ``view``; ``None`` when node computes a new value."""
-        name, args = _op_name(node), node.args
+        name, args = op_name(node), node.args
         if not args or not isinstance(args[0], fx.Node):
             return None
         if name in COPY_INTO_OPS and len(args) > 1 and isinstance(args[1], fx.Node):
@@ -150,8 +126,7 @@ class ValueNumbering:
             return args[0], ("convert", node.meta["example_value"].dtype)
         if name in RESHAPE_OPS and _same_meta(node, args[0], shape=False):
             return args[0], ("reshape", _shape_key(node.meta["example_value"].shape))
-        if (node.op == "call_method" and node.target in VIEW_METHODS - {"as_strided"}) or \
-                (node.op == "call_function" and node.target in VIEW_FUNCTIONS):  # as_strided reads memory, not values
+        if is_view(node) and name != "as_strided":  # as_strided reads memory, not values
             try:
                 view = ("view", name or target_name(node.target), _constant(args[1:]),
                         _constant(sorted(node.kwargs.items())))
