@@ -15,33 +15,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from dsa_dcp.head_groups import pack_head_groups, unpack_head_groups
 from dsa_dcp.ops import C10D, FUSED_A2A_MERGE, LSE_COMBINE
 
-
-def lse_words(dtype: torch.dtype) -> int:
-    """How many elements of ``dtype`` hold one float32 LSE when packed beside the output."""
-    return 4 // torch.empty((), dtype=dtype).element_size()
-
-
-def pack_head_groups(out: Tensor, lse: Tensor, dcp_size: int) -> Tensor:
-    """``out[B, H, D]``, ``lse[B, H]`` -> ``[N, B, H/N, D + w]``: slice j (head group j) goes to rank j.
-
-    The float32 LSE is bit-cast into ``w = lse_words(out.dtype)`` trailing elements, so one
-    all-to-all moves both.
-    """
-    b, h, d = out.shape
-    g = h // dcp_size
-    out_g = out.reshape(b, dcp_size, g, d).transpose(0, 1)
-    # bit-cast before the transpose (a view of the row-major LSE), so the cat is the one copy
-    lse_g = lse.float().reshape(b, dcp_size, g, 1).view(out.dtype).transpose(0, 1)
-    return torch.cat([out_g, lse_g], dim=-1)
-
-
-def unpack_head_groups(received: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
-    """``[N, B, G, D + w]`` received from the N ranks -> ``(out[N, B, G, D], lse[N, B, G])``."""
-    out = received[..., :head_dim]
-    lse = received[..., head_dim:].contiguous().view(torch.float32).squeeze(-1)
-    return out, lse
 
 
 def split_gathered(gathered: Tensor, dcp_size: int) -> Tensor:

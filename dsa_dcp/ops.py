@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from dsa_dcp.head_groups import pack_head_groups, unpack_head_groups
 from dsa_dcp import kernels
 
 LN2 = math.log(2.0)
@@ -204,13 +205,11 @@ def _lse_combine_fake(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _composed_a2a_merge(out: Tensor, lse: Tensor, dcp_size: int, group_name: str) -> tuple[Tensor, Tensor]:
-    from dsa_dcp import merge
-
     c10d = torch.ops._c10d_functional
-    packed = merge.pack_head_groups(out, lse, dcp_size)
+    packed = pack_head_groups(out, lse, dcp_size)
     split = [1] * dcp_size
     received = c10d.wait_tensor(c10d.all_to_all_single(packed, split, split, group_name))
-    parts_out, parts_lse = merge.unpack_head_groups(received, out.shape[-1])
+    parts_out, parts_lse = unpack_head_groups(received, out.shape[-1])
     return torch.ops.dsa_dcp.lse_combine(parts_out, parts_lse)
 
 

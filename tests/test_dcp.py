@@ -185,7 +185,7 @@ def test_a_dcp_model_refuses_to_run_eagerly():
 def test_head_groups_pack_and_unpack_bit_for_bit(dtype, n):
     """What a2a sends: slice j of the packed tensor is head group j of (out, lse), the LSE bit-cast
     into trailing elements; unpacking gives both back unchanged, NaN and infinities included."""
-    from dsa_dcp.merge import pack_head_groups, unpack_head_groups
+    from dsa_dcp.head_groups import pack_head_groups, unpack_head_groups
 
     g = torch.Generator().manual_seed(n)
     b, h, d = 3, 4 * n, 6

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import checks
-from dsa_dcp import merge
+from dsa_dcp import head_groups, merge
 from dsa_dcp.kernels import lse_combine_reference
 from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.models import DSAModel, generate, get_config
@@ -52,12 +52,12 @@ def test_every_merge_helper_follows_the_lse_combine_rule(n):
     exp_out, exp_lse = checks.brute_lse_combine(outs, lses)
 
     # ag: every rank gathers every rank's (out, lse) and combines all heads
-    gathered = torch.stack([merge.pack_head_groups(outs[r], lses[r], 1)[0] for r in range(n)])
-    ag = lse_combine_reference(*merge.unpack_head_groups(gathered, d))
+    gathered = torch.stack([head_groups.pack_head_groups(outs[r], lses[r], 1)[0] for r in range(n)])
+    ag = lse_combine_reference(*head_groups.unpack_head_groups(gathered, d))
 
     # a2a: rank j receives head group j of every rank's packed result
-    packed = [merge.pack_head_groups(outs[r], lses[r], n) for r in range(n)]
-    a2a = [lse_combine_reference(*merge.unpack_head_groups(torch.stack([p[j] for p in packed]), d)) for j in range(n)]
+    packed = [head_groups.pack_head_groups(outs[r], lses[r], n) for r in range(n)]
+    a2a = [lse_combine_reference(*head_groups.unpack_head_groups(torch.stack([p[j] for p in packed]), d)) for j in range(n)]
 
     # ag_rs: every rank rescales by the gathered LSEs; the reduce-scatter sums head group j on rank j
     scaled = [merge.rescale_for_reduce_scatter(outs[r], lses[r], lses, n) for r in range(n)]

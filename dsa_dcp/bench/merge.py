@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from dsa_dcp import merge
+from dsa_dcp import head_groups as merge  # the wire layout the merges pack
 from dsa_dcp.kernels.fused_merge import MergeWorkspace, fused_a2a_merge_reference, fused_a2a_merge_triton
 from dsa_dcp.kernels.lse_combine import lse_combine_triton
 
