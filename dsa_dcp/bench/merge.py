@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from dsa_dcp import head_groups as merge  # the wire layout the merges pack
+from dsa_dcp.head_groups import lse_words, pack_head_groups, unpack_head_groups
 from dsa_dcp.kernels.fused_merge import MergeWorkspace, fused_a2a_merge_reference, fused_a2a_merge_triton
 from dsa_dcp.kernels.lse_combine import lse_combine_triton
 
@@ -56,7 +56,7 @@ def bench_case(n: int, b: int, heads_per_rank: int, d: int = 512, dtype=torch.bf
     workspaces = [MergeWorkspace.from_buffers(r, buffers) for r in range(n)]
     outs = [torch.randn(b, h, d, device="cuda").to(dtype) for _ in range(n)]
     lses = [torch.randn(b, h, device="cuda") for _ in range(n)]
-    recv = [torch.empty(n, b, heads_per_rank, d + merge.lse_words(dtype), dtype=dtype, device="cuda") for _ in range(n)]
+    recv = [torch.empty(n, b, heads_per_rank, d + lse_words(dtype), dtype=dtype, device="cuda") for _ in range(n)]
     streams = [torch.cuda.Stream() for _ in range(n)]
     main = torch.cuda.current_stream()
     results: list = [None] * n
@@ -75,7 +75,7 @@ def bench_case(n: int, b: int, heads_per_rank: int, d: int = 512, dtype=torch.bf
             s.wait_stream(main)
         for r in range(n):
             with torch.cuda.stream(streams[r]):
-                packed = merge.pack_head_groups(outs[r], lses[r], n)
+                packed = pack_head_groups(outs[r], lses[r], n)
                 for j in range(n):
                     recv[j][r].copy_(packed[j], non_blocking=True)
         for s in streams:  # the exchange completes everywhere before anyone combines
@@ -84,7 +84,7 @@ def bench_case(n: int, b: int, heads_per_rank: int, d: int = 512, dtype=torch.bf
             s.wait_stream(main)
         for r in range(n):
             with torch.cuda.stream(streams[r]):
-                o, l = merge.unpack_head_groups(recv[r], d)
+                o, l = unpack_head_groups(recv[r], d)
                 results[r] = lse_combine_triton(o, l)
         for s in streams:
             main.wait_stream(s)
