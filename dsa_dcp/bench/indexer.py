@@ -222,9 +222,9 @@ def _topk_inputs(b: int, ctx: int):
 
 
 def _split_chunks(b: int, ctx: int) -> int:
-    from dsa_dcp.kernels.indexer import _sm_count
+    from dsa_dcp.kernels._common import sm_count
 
-    return max(2, min(math.ceil(2 * _sm_count(torch.device("cuda")) / b), ctx // 1024))
+    return max(2, min(math.ceil(2 * sm_count(torch.device("cuda")) / b), ctx // 1024))
 
 
 def bench_topk(batches, contexts, out: list) -> None:

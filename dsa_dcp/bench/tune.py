@@ -129,8 +129,9 @@ def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kv
     shipped table's choice) and the Hopper kernel's fastest split count in graph (where it runs);
     then the fastest backend as the op (eager). Every timing is printed."""
     from dsa_dcp.kernels import sparse_mla_hopper
+    from dsa_dcp.kernels._common import sm_count
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda", 0))
     have_fi = importlib.util.find_spec("flashinfer") is not None
     have_hopper = sparse_mla_hopper.available()
     if not have_hopper:

@@ -1,4 +1,5 @@
-"""Shared helpers for the Triton kernels: input checks, launchability, and one device function."""
+"""Shared helpers for the Triton kernels: input checks, launchability, the SM count grids are sized
+by, and one device function."""
 
 from __future__ import annotations
 
@@ -51,6 +52,21 @@ def check_launchable(kernel, *tensors: torch.Tensor) -> None:
                 "Triton kernels need CUDA tensors; to run them on CPU set TRITON_INTERPRET=1 "
                 "before dsa_dcp.kernels is first imported (or call the *_reference function)"
             )
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``, asked of the driver once per GPU (launchers
+    size their grids with it on every call); 0 for any other device, which has no waves to fill
+    (the interpreter runs programs one after another)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:

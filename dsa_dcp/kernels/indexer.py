@@ -84,6 +84,7 @@ from ._common import (
     is_interpreted,
     last_dim_contiguous,
     next_pow2,
+    sm_count,
 )
 from .topk_remap import _owned
 
@@ -95,14 +96,6 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 def _int_arg(op: str, name: str, v, lo: int) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ValueError(f"{op}: {name} must be a Python int >= {lo}, got {v!r}")
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    from .sparse_mla import _sm_count as sm_count
-
-    return sm_count(device)
 
 
 # =========================================================================== index_scores
@@ -323,7 +316,8 @@ def _default_span(T: int, C: int, block_c: int, device: torch.device) -> int:
     """Candidates per program: enough programs for about four waves, each scoring whole tiles
     (the row's queries are loaded once a program, so fewer, longer programs read less)."""
     tiles = cdiv(C, block_c)
-    per_program = max(1, cdiv(T * tiles, 4 * _sm_count(device)))
+    sms = sm_count(device) or 4  # interpreted: still several programs a row at the tests' shapes
+    per_program = max(1, cdiv(T * tiles, 4 * sms))
     return per_program * block_c
 
 
@@ -785,9 +779,9 @@ def _default_chunks(T: int, C: int, device: torch.device) -> int:
     1024 candidates or more (a pass launch each, see :func:`topk_select_triton`)."""
     if device.type != "cuda":
         return 1
-    if C <= 8192 or T >= _sm_count(device) // 2:
+    if C <= 8192 or T >= sm_count(device) // 2:
         return 1
-    return max(1, min(cdiv(2 * _sm_count(device), T), C // 1024))
+    return max(1, min(cdiv(2 * sm_count(device), T), C // 1024))
 
 
 def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=None, block=None, num_warps=None):
