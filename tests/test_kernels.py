@@ -574,8 +574,11 @@ def test_ops_follow_device():
     cache = torch.zeros((4, 3), device=DEVICE)
     KV_STORE(cache, torch.tensor([2, -1], device=DEVICE), torch.ones((2, 3), device=DEVICE))
     assert cache.sum().item() == 3 and (cache[2] == 1).all()
-    ops = ("topk_remap", "lse_combine", "kv_store", "sparse_mla", "index_scores", "topk_select", "topk_select_remap")
-    assert set(kernels.__all__) == {f"{op}{suffix}" for op in ops for suffix in ("_reference", "_triton")}
+    ops = ("topk_remap", "lse_combine", "kv_store", "sparse_mla", "index_scores", "topk_select", "topk_select_remap",
+           "topk_candidates")  # fmt: skip
+    assert set(kernels.__all__) == {f"{op}{suffix}" for op in ops for suffix in ("_reference", "_triton")} | {
+        "topk_agree_reference", "topk_agree_remap_reference"
+    }
 
 
 def _bad_calls():

@@ -95,6 +95,20 @@ def check_float(op: str, name: str, t: torch.Tensor, ndim: int, dtypes=None) -> 
         raise ValueError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
 
 
+def check_int(op: str, name: str, v, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{op}: {name} must be a Python int >= {lo}, got {v!r}")
+
+
+def check_remap_args(dcp_size, rank, interleave, op: str) -> None:
+    """The ``(N, r, I)`` of a sharded or remapped indexer op (``topk_remap`` checks its own)."""
+    check_int(op, "dcp_size", dcp_size, 1)
+    check_int(op, "interleave", interleave, 1)
+    check_int(op, "rank", rank, 0)
+    if rank >= dcp_size:
+        raise ValueError(f"{op}: rank must be in [0, {dcp_size}), got {rank}")
+
+
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim has stride 1 (views of a larger buffer stay views)."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
