@@ -369,7 +369,7 @@ TOPK_SELECT_REMAP = torch.ops.dsa_dcp.topk_select_remap.default
 # (index_cache="sharded": each rank scores the candidates it owns; the group agrees on the top-k
 # through one all-gather of every rank's best k. Contracts in dsa_dcp/kernels/indexer.py.)
 
-from dsa_dcp.kernels import indexer as _indexer  # noqa: E402
+from dsa_dcp import kernels as _indexer  # noqa: E402
 
 
 @torch.library.custom_op("dsa_dcp::index_scores_sharded", mutates_args=())

@@ -1,5 +1,5 @@
-"""The lightning indexer's kernels (dsa_dcp/kernels/indexer.py) against their torch references
-and against independent checks: an fp64 score, ``torch.topk``'s values, ``topk_remap``.
+"""The lightning indexer's kernels (dsa_dcp/kernels/index_scores.py, topk_select.py) against their
+torch references and against independent checks: an fp64 score, ``torch.topk``'s values, ``topk_remap``.
 
 On CPU the Triton kernels run under the interpreter at tiny shapes (every kernel variant: the
 one-program-a-row top-k and the chunked passes, with and without the remap, bf16/fp32/FP8 keys).
@@ -19,8 +19,9 @@ import torch  # noqa: E402
 
 from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter  # noqa: E402
 
-ix = importlib.import_module("dsa_dcp.kernels.indexer")
-remap_mod = importlib.import_module("dsa_dcp.kernels.topk_remap")
+from dsa_dcp.kernels import index_scores as scores_mod  # noqa: E402
+from dsa_dcp.kernels import topk_remap as remap_mod  # noqa: E402
+from dsa_dcp.kernels import topk_select as select_mod  # noqa: E402
 
 INF = float("inf")
 NAN = float("nan")
@@ -113,8 +114,8 @@ def test_index_scores(keys, q_dtype, Hi, Di, span):
     cache, key_scale, dequant = _keys(gen, S, Di, keys)
     exp, err_scale = _brute_scores(q, w, dequant, page_table, req_ids, positions, page)
     args = _dev(q, w, cache, key_scale, page_table, req_ids, positions)
-    ref = ix.index_scores_reference(*args, page)
-    tri = ix.index_scores_triton(*args, page, block_c=16, span=span)
+    ref = scores_mod.index_scores_reference(*args, page)
+    tri = scores_mod.index_scores_triton(*args, page, block_c=16, span=span)
     for what, got in (("reference", ref), ("triton", tri)):
         got = got.cpu().double()
         assert got.dtype == torch.float64 and got.shape == exp.shape
@@ -124,7 +125,7 @@ def test_index_scores(keys, q_dtype, Hi, Di, span):
         err = (got[fin] - exp[fin]).abs()
         assert (err <= 1e-5 * err_scale[fin] + 1e-30).all(), f"{what}: max err {err.max():.3e}"
     # the reference in fp64 is the brute force
-    ref64 = ix.index_scores_reference(*args, page, compute_dtype=torch.float64).cpu().double()
+    ref64 = scores_mod.index_scores_reference(*args, page, compute_dtype=torch.float64).cpu().double()
     fin = torch.isfinite(exp)
     assert torch.equal(torch.isneginf(ref64), torch.isneginf(exp))
     assert ((ref64[fin] - exp[fin]).abs() <= 1e-6 * err_scale[fin] + 1e-30).all()
@@ -147,12 +148,12 @@ def test_index_scores_nan_propagates_only_from_valid_keys():
     cache[slot_valid, 5] = NAN
     cache[slot_masked] = NAN
     cache[unused * page:(unused + 1) * page] = NAN
-    for fn in (ix.index_scores_reference, ix.index_scores_triton):
+    for fn in (scores_mod.index_scores_reference, scores_mod.index_scores_triton):
         out = fn(*_dev(q, w, cache, None, page_table, req_ids, positions), page).cpu()
         assert torch.isnan(out[0, 2]) and torch.isnan(out[1, 2]), fn.__name__
         nan = torch.isnan(out)
         # every NaN is a valid candidate whose slot is the NaN row
-        cand = ix.candidate_slots(page_table, req_ids, page)
+        cand = scores_mod.candidate_slots(page_table, req_ids, page)
         p = torch.arange(cand.shape[1])
         valid = (p[None] <= positions[:, None]) & (cand >= 0)
         assert (valid[nan]).all() and (cand[nan] == slot_valid).all(), fn.__name__
@@ -167,8 +168,8 @@ def test_index_scores_empty(T, Hi, max_pages, R):
     page_table = torch.arange(R * max_pages, dtype=torch.int32).view(R, max_pages)
     req_ids = torch.zeros(T, dtype=torch.int64) if R else torch.full((T,), -1, dtype=torch.int64)
     positions = torch.full((T,), 5, dtype=torch.int64)
-    ref = ix.index_scores_reference(*_dev(q, w, cache, None, page_table, req_ids, positions), 4)
-    tri = ix.index_scores_triton(*_dev(q, w, cache, None, page_table, req_ids, positions), 4)
+    ref = scores_mod.index_scores_reference(*_dev(q, w, cache, None, page_table, req_ids, positions), 4)
+    tri = scores_mod.index_scores_triton(*_dev(q, w, cache, None, page_table, req_ids, positions), 4)
     assert ref.shape == tri.shape == (T, max_pages * 4)
     assert torch.equal(ref.cpu(), tri.cpu())
 
@@ -188,7 +189,7 @@ def test_index_scores_rejects_bad_inputs():
         ((q, w, cache, None, pt.float(), req, pos, 4), "page_table"),
     ]
     for args, match in bad:
-        for fn in (ix.index_scores_reference, ix.index_scores_triton):
+        for fn in (scores_mod.index_scores_reference, scores_mod.index_scores_triton):
             with pytest.raises(ValueError, match=match):
                 fn(*args)
 
@@ -247,8 +248,8 @@ SELECT_CASES = [
 @pytest.mark.parametrize("T,C,k,chunks,block", SELECT_CASES)
 def test_topk_select(T, C, k, chunks, block):
     scores = _tricky_scores(_gen("select", T, C, k), T, C)
-    ref = ix.topk_select_reference(scores.to(DEVICE), k).cpu()
-    tri = ix.topk_select_triton(scores.to(DEVICE), k, chunks=chunks, block=block).cpu()
+    ref = select_mod.topk_select_reference(scores.to(DEVICE), k).cpu()
+    tri = select_mod.topk_select_triton(scores.to(DEVICE), k, chunks=chunks, block=block).cpu()
     assert ref.dtype == tri.dtype == torch.int32 and ref.shape == (T, k)
     _check_against_topk(scores, ref, k)
     assert torch.equal(tri, ref), "the kernel and the reference break ties alike (lowest position first)"
@@ -262,12 +263,12 @@ def test_topk_select_tie_rule():
     want = torch.tensor([[1, 2, 4, 6], [2, 3, 4, 7], [-1, -1, -1, -1]], dtype=torch.int32)
     want5 = torch.tensor([0, 2, 3, 4, 7], dtype=torch.int32)  # k = 5 adds the first of the zeros
     for chunks in (1, 2):
-        got = ix.topk_select_triton(scores.to(DEVICE), 4, chunks=chunks, block=16).cpu()
+        got = select_mod.topk_select_triton(scores.to(DEVICE), 4, chunks=chunks, block=16).cpu()
         assert torch.equal(got, want), chunks
-        got5 = ix.topk_select_triton(scores.to(DEVICE), 5, chunks=chunks, block=16).cpu()
+        got5 = select_mod.topk_select_triton(scores.to(DEVICE), 5, chunks=chunks, block=16).cpu()
         assert torch.equal(got5[1], want5), chunks
-    assert torch.equal(ix.topk_select_reference(scores, 4), want)
-    assert torch.equal(ix.topk_select_reference(scores, 5)[1], want5)
+    assert torch.equal(select_mod.topk_select_reference(scores, 4), want)
+    assert torch.equal(select_mod.topk_select_reference(scores, 5)[1], want5)
 
 
 @pytest.mark.parametrize("chunks", [1, 3])
@@ -279,11 +280,11 @@ def test_topk_select_slots(chunks):
     T, C = req_ids.shape[0], page_table.shape[1] * page
     scores = torch.randn((T, C), generator=gen)
     scores[1, 9] = 5.0  # a finite score at a candidate whose page is -1 (request 1, page 2)
-    ref = ix.topk_select_reference(*_dev(scores, 7, page_table, req_ids), page).cpu()
-    tri = ix.topk_select_triton(*_dev(scores, 7, page_table, req_ids), page, chunks=chunks, block=16).cpu()
+    ref = select_mod.topk_select_reference(*_dev(scores, 7, page_table, req_ids), page).cpu()
+    tri = select_mod.topk_select_triton(*_dev(scores, 7, page_table, req_ids), page, chunks=chunks, block=16).cpu()
     assert torch.equal(tri, ref)
-    pos = ix.topk_select_reference(scores, 7)
-    cand = ix.candidate_slots(page_table, req_ids, page)
+    pos = select_mod.topk_select_reference(scores, 7)
+    cand = scores_mod.candidate_slots(page_table, req_ids, page)
     for t in range(T):
         want = [int(cand[t, p]) if p >= 0 else -1 for p in pos[t].tolist()]
         if req_ids[t] < 0:
@@ -301,29 +302,29 @@ def test_request_ids_past_the_table_read_nothing():
     q, w, cache = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, generator=gen), torch.randn(160, 16)
     args = _dev(q, w, cache, None, page_table, req_ids, positions)
     with pytest.raises(IndexError):
-        ix.index_scores_reference(*args, page)
-    scores = ix.index_scores_triton(*args, page).cpu()
+        scores_mod.index_scores_reference(*args, page)
+    scores = scores_mod.index_scores_triton(*args, page).cpu()
     assert torch.isneginf(scores[0]).all() and torch.isfinite(scores[1, :2]).all()
     scores[0] = torch.randn(scores.shape[1], generator=gen)  # finite scores for the row: still nothing
     for chunks in (1, 2):
-        topk = ix.topk_select_triton(*_dev(scores, 5, page_table, req_ids), page, chunks=chunks, block=16).cpu()
+        topk = select_mod.topk_select_triton(*_dev(scores, 5, page_table, req_ids), page, chunks=chunks, block=16).cpu()
         assert (topk[0] == -1).all() and (topk[1] >= 0).any(), chunks
 
 
 @pytest.mark.parametrize("T,C,k", [(0, 8, 4), (3, 8, 0), (3, 0, 4)])
 def test_topk_select_empty(T, C, k):
     scores = torch.randn(T, C, device=DEVICE)
-    for fn in (ix.topk_select_reference, ix.topk_select_triton):
+    for fn in (select_mod.topk_select_reference, select_mod.topk_select_triton):
         out = fn(scores, k)
         assert out.shape == (T, k) and out.dtype == torch.int32 and (out == -1).all()
-    local, count = ix.topk_select_remap_triton(scores, k, 2, 1)
+    local, count = select_mod.topk_select_remap_triton(scores, k, 2, 1)
     assert local.shape == (T, k) and count.shape == (T,) and (local == -1).all() and (count == 0).all()
 
 
 def test_topk_select_rejects_bad_inputs():
     s = torch.randn(2, 8)
     pt, req = torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
-    for fn in (ix.topk_select_reference, ix.topk_select_triton):
+    for fn in (select_mod.topk_select_reference, select_mod.topk_select_triton):
         with pytest.raises(ValueError, match="come together"):
             fn(s, 3, pt, None)
         with pytest.raises(ValueError, match="max_pages"):
@@ -333,7 +334,7 @@ def test_topk_select_rejects_bad_inputs():
         with pytest.raises(ValueError, match="scores"):
             fn(s.long(), 3)
     with pytest.raises(ValueError, match="rank"):
-        ix.topk_select_remap_triton(s, 3, 2, 2)
+        select_mod.topk_select_remap_triton(s, 3, 2, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,8 +358,8 @@ def test_topk_select_remap(N, I, chunks):
     k = 9
     args = _dev(scores, k)
     pt_args = _dev(page_table, req_ids)
-    topk = ix.topk_select_triton(*args, *pt_args, page, chunks=chunks, block=8)
-    assert torch.equal(topk.cpu(), ix.topk_select_reference(*args, *pt_args, page).cpu())
+    topk = select_mod.topk_select_triton(*args, *pt_args, page, chunks=chunks, block=8)
+    assert torch.equal(topk.cpu(), select_mod.topk_select_reference(*args, *pt_args, page).cpu())
     if chunks > 1:  # rows whose ties at the threshold straddle chunks (8 candidates a chunk)
         straddle = 0
         for t in range(T):
@@ -369,9 +370,9 @@ def test_topk_select_remap(N, I, chunks):
     total = torch.zeros(T, dtype=torch.int64)
     for r in range(N):
         want_local, want_count = remap_mod.topk_remap_reference(topk, N, r, I)
-        local, count = ix.topk_select_remap_triton(*args, N, r, I, *pt_args, page, chunks=chunks, block=8)
+        local, count = select_mod.topk_select_remap_triton(*args, N, r, I, *pt_args, page, chunks=chunks, block=8)
         assert torch.equal(local.cpu(), want_local.cpu()) and torch.equal(count.cpu(), want_count.cpu()), r
-        ref_local, ref_count = ix.topk_select_remap_reference(*args, N, r, I, *pt_args, page)
+        ref_local, ref_count = select_mod.topk_select_remap_reference(*args, N, r, I, *pt_args, page)
         assert torch.equal(ref_local.cpu(), want_local.cpu()) and torch.equal(ref_count.cpu(), want_count.cpu()), r
         total += count.cpu().long()
     assert torch.equal(total, (topk.cpu() >= 0).sum(1)), "every selected slot on exactly one rank"
@@ -380,10 +381,10 @@ def test_topk_select_remap(N, I, chunks):
 def test_topk_select_remap_positions():
     """Without a page table the candidate positions are the slots."""
     scores = _tricky_scores(_gen("remap-positions"), 5, 40)
-    topk = ix.topk_select_reference(scores, 12)
+    topk = select_mod.topk_select_reference(scores, 12)
     for chunks in (1, 2):
         for r in (0, 2):
-            local, count = ix.topk_select_remap_triton(scores.to(DEVICE), 12, 3, r, chunks=chunks, block=16)
+            local, count = select_mod.topk_select_remap_triton(scores.to(DEVICE), 12, 3, r, chunks=chunks, block=16)
             want = remap_mod.topk_remap_reference(topk, 3, r, 1)
             assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (chunks, r)
 
@@ -414,12 +415,12 @@ def test_topk_select_property(T, C, k, chunks, data):
     else:
         seed = data.draw(st.integers(0, 2**31 - 1))
         scores = torch.randn((T, C), generator=torch.Generator().manual_seed(seed))
-    ref = ix.topk_select_reference(scores, k)
+    ref = select_mod.topk_select_reference(scores, k)
     _check_against_topk(scores, ref, k)
-    tri = ix.topk_select_triton(scores.to(DEVICE), k, chunks=chunks, block=16).cpu()
+    tri = select_mod.topk_select_triton(scores.to(DEVICE), k, chunks=chunks, block=16).cpu()
     assert torch.equal(tri, ref)
     n, r = data.draw(st.integers(1, 3)), 0
-    local, count = ix.topk_select_remap_triton(scores.to(DEVICE), k, n, r, chunks=chunks, block=16)
+    local, count = select_mod.topk_select_remap_triton(scores.to(DEVICE), k, n, r, chunks=chunks, block=16)
     want = remap_mod.topk_remap_reference(ref, n, r, 1)
     assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1])
 
@@ -436,9 +437,9 @@ def test_ops_cpu_meaning_and_opcheck():
     T, Hi, Di = req_ids.shape[0], 4, 16
     q, w, cache = torch.randn(T, Hi, Di, generator=gen), torch.randn(T, Hi, generator=gen), torch.randn(160, Di, generator=gen)
     scores = ops.INDEX_SCORES(q, w, cache, None, page_table, req_ids, positions, page)
-    assert torch.equal(scores, ix.index_scores_reference(q, w, cache, None, page_table, req_ids, positions, page))
+    assert torch.equal(scores, scores_mod.index_scores_reference(q, w, cache, None, page_table, req_ids, positions, page))
     topk = ops.TOPK_SELECT(scores, page_table, req_ids, page, 6)
-    assert torch.equal(topk, ix.topk_select_reference(scores, 6, page_table, req_ids, page))
+    assert torch.equal(topk, select_mod.topk_select_reference(scores, 6, page_table, req_ids, page))
     local, count = ops.TOPK_SELECT_REMAP(scores, page_table, req_ids, page, 6, 2, 1, 1)
     want = remap_mod.topk_remap_reference(topk, 2, 1, 1)
     assert torch.equal(local, want[0]) and torch.equal(count, want[1])
@@ -472,21 +473,21 @@ def _real_step(B, C, Hi, Di, page, key_dtype, seed=0):
 def test_indexer_real_size_gpu(key_dtype):
     B, C, K, Hi, Di, page = 32, 32768, 2048, 64, 128, 64
     q, w, cache, scale, page_table, req_ids, positions = _real_step(B, C, Hi, Di, page, key_dtype)
-    ref = ix.index_scores_reference(q, w, cache, scale, page_table, req_ids, positions, page,
+    ref = scores_mod.index_scores_reference(q, w, cache, scale, page_table, req_ids, positions, page,
                                     compute_dtype=torch.float64)  # fmt: skip
-    got = ix.index_scores_triton(q, w, cache, scale, page_table, req_ids, positions, page)
+    got = scores_mod.index_scores_triton(q, w, cache, scale, page_table, req_ids, positions, page)
     assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
     fin = torch.isfinite(ref)
     rel = ((got.double() - ref.double())[fin].abs().max() / ref[fin].abs().max()).item()
     assert rel < 1e-4, rel
     for chunks in (None, 1, 16):
-        tri = ix.topk_select_triton(got, K, page_table, req_ids, page, chunks=chunks)
-        assert torch.equal(tri, ix.topk_select_reference(got, K, page_table, req_ids, page)), chunks
+        tri = select_mod.topk_select_triton(got, K, page_table, req_ids, page, chunks=chunks)
+        assert torch.equal(tri, select_mod.topk_select_reference(got, K, page_table, req_ids, page)), chunks
         for n in (2, 4):
-            local, count = ix.topk_select_remap_triton(got, K, n, 1, 1, page_table, req_ids, page, chunks=chunks)
+            local, count = select_mod.topk_select_remap_triton(got, K, n, 1, 1, page_table, req_ids, page, chunks=chunks)
             want = remap_mod.topk_remap_reference(tri, n, 1, 1)
             assert torch.equal(local, want[0]) and torch.equal(count, want[1]), (chunks, n)
-    _check_against_topk(got[:4].cpu(), ix.topk_select_triton(got[:4], K).cpu(), K)
+    _check_against_topk(got[:4].cpu(), select_mod.topk_select_triton(got[:4], K).cpu(), K)
 
 
 @pytest.mark.gpu
@@ -496,9 +497,9 @@ def test_topk_select_shapes_gpu(B, C):
     scores = torch.randn(B, C, device="cuda", generator=g)
     scores[:, -7:] = -INF
     for k in (512, 1024, 2048):
-        ref = ix.topk_select_reference(scores, k)
+        ref = select_mod.topk_select_reference(scores, k)
         for chunks in (None, 1, 4):
-            assert torch.equal(ix.topk_select_triton(scores, k, chunks=chunks), ref), (k, chunks)
+            assert torch.equal(select_mod.topk_select_triton(scores, k, chunks=chunks), ref), (k, chunks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,7 +518,7 @@ def test_bench_composition_matches_the_ops():
         cache, key_scale, _ = _keys(gen, 160, Di, case)
         args = (q, w, cache, key_scale, page_table, req_ids, positions, page)
         theirs = bench.indexer_torch(*args, 7)
-        ours = ix.topk_select_reference(ix.index_scores_reference(*args), 7, page_table, req_ids, page)
+        ours = select_mod.topk_select_reference(scores_mod.index_scores_reference(*args), 7, page_table, req_ids, page)
         # (a row without a request, req_ids = -1, is empty for the ops; the model clamps it to
         # request 0, and its padding rows are (req 0, position -1): empty both ways)
         has = req_ids >= 0

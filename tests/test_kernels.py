@@ -554,27 +554,30 @@ def test_kv_store_strided_cache_and_empty():
 
 
 # ---------------------------------------------------------------------------------------------
-# dispatchers, input checks, import without the interpreter
+# the ops' choice by device, the package's exports, input checks, import without the interpreter
 
 
-def test_dispatchers_follow_device():
+def test_ops_follow_device():
+    """The op layer picks each kernel by device (the Triton kernel it registers for CUDA, the torch
+    reference elsewhere); the package itself dispatches nothing and exports both implementations."""
     from dsa_dcp import kernels
+    from dsa_dcp.ops import KV_STORE, LSE_COMBINE, TOPK_REMAP
 
     gen = _gen("dispatch")
     topk = _random_topk(gen, 3, 9, 40, torch.int64).to(DEVICE)
-    a, b = kernels.topk_remap(topk, 2, 1, 2), topk_remap_mod.topk_remap_reference(topk, 2, 1, 2)
+    a, b = TOPK_REMAP(topk, 2, 1, 2), topk_remap_mod.topk_remap_reference(topk, 2, 1, 2)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     out, lse = _random_shards(gen, 2, 3, 2, 4, torch.float32)
-    a, b = kernels.lse_combine(out.to(DEVICE), lse.to(DEVICE)), checks.brute_lse_combine(out, lse)
+    a, b = LSE_COMBINE(out.to(DEVICE), lse.to(DEVICE)), checks.brute_lse_combine(out, lse)
     assert_close(a[0], b[0], 1e-5, "out")
     assert_close(a[1], b[1], 1e-5, "lse")
     cache = torch.zeros((4, 3), device=DEVICE)
-    kernels.kv_store(cache, torch.tensor([2, -1], device=DEVICE), torch.ones((2, 3), device=DEVICE))
+    KV_STORE(cache, torch.tensor([2, -1], device=DEVICE), torch.ones((2, 3), device=DEVICE))
     assert cache.sum().item() == 3 and (cache[2] == 1).all()
-    assert set(kernels.__all__) == {
-        f"{op}{suffix}" for op in ("topk_remap", "lse_combine", "kv_store") for suffix in ("", "_reference", "_triton")
-    } | {"sparse_mla_reference", "sparse_mla_triton"} | {
-        f"{op}{suffix}" for op in ("index_scores", "topk_select", "topk_select_remap") for suffix in ("", "_reference", "_triton")
+    ops = ("topk_remap", "lse_combine", "kv_store", "sparse_mla", "index_scores", "topk_select", "topk_select_remap",
+           "topk_candidates")  # fmt: skip
+    assert set(kernels.__all__) == {f"{op}{suffix}" for op in ops for suffix in ("_reference", "_triton")} | {
+        "topk_agree_reference", "topk_agree_remap_reference"
     }
 
 
@@ -616,7 +619,7 @@ def test_import_without_interpreter():
         "import torch\n"
         "from dsa_dcp import kernels\n"
         "t = torch.full((2, 3), -1, dtype=torch.int64)\n"
-        "assert torch.equal(kernels.topk_remap(t, 2, 0)[1], torch.zeros(2, dtype=torch.int32))\n"
+        "assert torch.equal(kernels.topk_remap_reference(t, 2, 0)[1], torch.zeros(2, dtype=torch.int32))\n"
         "try:\n"
         "    kernels.topk_remap_triton(t, 2, 0)\n"
         "except RuntimeError as e:\n"

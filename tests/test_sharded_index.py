@@ -10,7 +10,9 @@ eagerly). Each rank returns its tokens, logits, index caches and the compile rep
 import pytest
 import torch
 
-from dsa_dcp.kernels import indexer as ix
+from dsa_dcp.kernels import index_scores as scores_mod
+from dsa_dcp.kernels import topk_agree as agree_mod
+from dsa_dcp.kernels import topk_select as select_mod
 from dsa_dcp.kernels.topk_remap import topk_remap_reference
 from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
@@ -127,7 +129,7 @@ def _partitioned_case(gen, world, interleave, ties):
     scores[torch.rand((T, C), generator=gen) < 0.1] = float("nan")
     scores[torch.rand((T, C), generator=gen) < 0.1] = -0.0
     scores[torch.rand((T, C), generator=gen) < 0.05] = -INF  # a valid candidate may score -inf too
-    cand = ix.candidate_slots(page_table, req_ids, page)
+    cand = scores_mod.candidate_slots(page_table, req_ids, page)
     valid = (torch.arange(C)[None] <= positions[:, None]) & (cand >= 0)
     scores = scores.masked_fill(~valid, -INF)
     mine = [valid & (owner(cand.clamp(min=0), world, interleave) == r) for r in range(world)]
@@ -140,13 +142,13 @@ def test_agreement_selects_exactly_topk_select(world, interleave, ties):
     gen = torch.Generator().manual_seed(world * 10 + interleave + ties)
     for k in (0, 1, 3, 8, 20, 23):
         scores, mine, page_table, req_ids, page = _partitioned_case(gen, world, interleave, ties)
-        expect = ix.topk_select_reference(scores, k, page_table, req_ids, page)
-        gathered = torch.cat([ix.topk_candidates_reference(scores.masked_fill(~m, -INF), k) for m in mine])
+        expect = select_mod.topk_select_reference(scores, k, page_table, req_ids, page)
+        gathered = torch.cat([agree_mod.topk_candidates_reference(scores.masked_fill(~m, -INF), k) for m in mine])
         assert gathered.shape == (world * scores.shape[0], k, 2)
-        got = ix.topk_agree_reference(gathered, page_table, req_ids, page, k, world)
+        got = agree_mod.topk_agree_reference(gathered, page_table, req_ids, page, k, world)
         assert torch.equal(got, expect), k
         for r in range(world):
-            local, count = ix.topk_agree_remap_reference(gathered, page_table, req_ids, page, k, world, r, interleave)
+            local, count = agree_mod.topk_agree_remap_reference(gathered, page_table, req_ids, page, k, world, r, interleave)
             want_local, want_count = topk_remap_reference(expect, world, r, interleave)
             assert torch.equal(local, want_local) and torch.equal(count, want_count), (k, r)
 
@@ -157,7 +159,7 @@ def test_agreement_ignores_what_no_rank_sent():
     req_ids = torch.tensor([0, 1])
     bits = torch.tensor([1.0, -INF, 2.0]).view(torch.int32)
     gathered = torch.stack([bits.expand(2, 3), torch.tensor([[3, -1, 99], [-7, 5, 2]], dtype=torch.int32)], -1)
-    got = ix.topk_agree_reference(gathered.contiguous(), page_table, req_ids, 2, 3, 1)
+    got = agree_mod.topk_agree_reference(gathered.contiguous(), page_table, req_ids, 2, 3, 1)
     # row 0: position 3 (score 1) is slot 1 * 2 + 1; -1 and 99 (>= C = 8) are not candidates.
     # row 1: -7 is not a candidate, 5 scores -inf; position 2 (score 2) is slot 5 * 2 + 0
     assert got.tolist() == [[3, -1, -1], [10, -1, -1]]

@@ -11,16 +11,15 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter  # noqa: E402
 
+from dsa_dcp.kernels import index_scores as scores_mod  # noqa: E402
+from dsa_dcp.kernels import topk_agree as agree_mod  # noqa: E402
+from dsa_dcp.kernels import topk_select as select_mod  # noqa: E402
 from dsa_dcp.slots import local_cache_rows, local_row, owner  # noqa: E402
-
-ix = importlib.import_module("dsa_dcp.kernels.indexer")
 
 
 @pytest.fixture(autouse=True)
@@ -73,16 +72,16 @@ def test_sharded_scores_are_the_replicated_scores_of_owned_candidates(keys, n, i
     else:
         cache = real
     args = (page_table, req_ids, positions, page)
-    whole_ref = ix.index_scores_reference(*_dev(q, w, cache, scale, *args))
-    whole_tri = ix.index_scores_triton(*_dev(q, w, cache, scale, *args), block_c=16, span=32)
-    cand = ix.candidate_slots(page_table, req_ids, page)
+    whole_ref = scores_mod.index_scores_reference(*_dev(q, w, cache, scale, *args))
+    whole_tri = scores_mod.index_scores_triton(*_dev(q, w, cache, scale, *args), block_c=16, span=32)
+    cand = scores_mod.candidate_slots(page_table, req_ids, page)
     for rank in range(n):
         local = _shard(cache.view(torch.uint8) if keys == "fp8-row" else cache, n, rank, interleave)
         local = local.view(torch.float8_e4m3fn) if keys == "fp8-row" else local
         local_scale = _shard(scale[:, None], n, rank, interleave)[:, 0].contiguous() if scale is not None else None
         shard = (n, rank, interleave)
-        ref = ix.index_scores_reference(*_dev(q, w, local, local_scale, *args), shard=shard).cpu()
-        tri = ix.index_scores_triton(*_dev(q, w, local, local_scale, *args), block_c=16, span=32, shard=shard).cpu()
+        ref = scores_mod.index_scores_reference(*_dev(q, w, local, local_scale, *args), shard=shard).cpu()
+        tri = scores_mod.index_scores_triton(*_dev(q, w, local, local_scale, *args), block_c=16, span=32, shard=shard).cpu()
         owned = (cand >= 0) & (owner(cand.clamp(min=0), n, interleave) == rank)
         for got, whole in ((ref, whole_ref.cpu()), (tri, whole_tri.cpu())):
             assert torch.isneginf(got[~owned]).all()
@@ -94,7 +93,7 @@ def test_sharded_scores_refuse_a_bad_shard():
     gen = torch.Generator().manual_seed(0)
     page_table, req_ids, positions, page = _step(gen)
     q, w, cache = torch.randn(5, 2, 16), torch.randn(5, 2), torch.randn(80, 16)
-    for fn in (ix.index_scores_reference, ix.index_scores_triton):
+    for fn in (scores_mod.index_scores_reference, scores_mod.index_scores_triton):
         with pytest.raises(ValueError, match=r"index_scores_sharded: rank must be in \[0, 2\), got 2"):
             fn(*_dev(q, w, cache, None, page_table, req_ids, positions), page, shard=(2, 2, 1))
 
@@ -105,10 +104,10 @@ def test_topk_candidates_triton_matches_reference(k):
     scores = torch.randint(-3, 4, (6, 24), generator=gen).float()  # many ties: the tie rule decides
     scores[torch.rand(scores.shape, generator=gen) < 0.2] = float("-inf")
     scores[0, 3] = float("nan")
-    ref = ix.topk_candidates_reference(scores, k)
-    tri = ix.topk_candidates_triton(*_dev(scores), k).cpu()
+    ref = agree_mod.topk_candidates_reference(scores, k)
+    tri = agree_mod.topk_candidates_triton(*_dev(scores), k).cpu()
     assert torch.equal(tri, ref)
-    pos = ix.topk_select_reference(scores, k)
+    pos = select_mod.topk_select_reference(scores, k)
     assert torch.equal(ref[..., 1], pos)
     sent = ref[..., 0].contiguous().view(torch.float32)
     want = torch.where(pos >= 0, scores.gather(1, pos.clamp(min=0).long()), torch.tensor(float("-inf")))

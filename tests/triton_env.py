@@ -7,7 +7,6 @@ switched on any more: those files then rerun themselves in a fresh process
 (``rerun_in_fresh_interpreter``) and skip their Triton cases here.
 """
 
-import importlib
 import os
 import subprocess
 import sys
@@ -15,13 +14,10 @@ import sys
 import torch
 
 from dsa_dcp.kernels import _common
-
-# import_module, not `from dsa_dcp.kernels import topk_remap`: the package's dispatcher functions
-# share their modules' names and shadow them as package attributes
-kv_store_mod = importlib.import_module("dsa_dcp.kernels.kv_store")
-lse_combine_mod = importlib.import_module("dsa_dcp.kernels.lse_combine")
-sparse_mla_mod = importlib.import_module("dsa_dcp.kernels.sparse_mla")
-topk_remap_mod = importlib.import_module("dsa_dcp.kernels.topk_remap")
+from dsa_dcp.kernels import kv_store as kv_store_mod
+from dsa_dcp.kernels import lse_combine as lse_combine_mod
+from dsa_dcp.kernels import sparse_mla as sparse_mla_mod
+from dsa_dcp.kernels import topk_remap as topk_remap_mod
 
 INTERPRET = _common.is_interpreted(topk_remap_mod._topk_remap_kernel)
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"

@@ -50,7 +50,8 @@ def smoke(kinds: list[str]) -> int:
 
 
 def bench(path: str) -> int:
-    from dsa_dcp.bench.kernels import MlaCase, check_mla, device_limits, in_graph_us, make_caches
+    from dsa_dcp.bench.measure import device_limits, in_graph_us
+    from dsa_dcp.bench.mla_cases import MlaCase, check_mla, make_caches
     from dsa_dcp.kernels.sparse_mla_hopper import default_splits
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -96,7 +97,8 @@ def bench(path: str) -> int:
 def diag() -> int:
     """Where the time goes at B = 128, K = 2048: the kernel without its gathers (compute and
     synchronization alone), and the L2 prefetch distance 0 / 2 / 3."""
-    from dsa_dcp.bench.kernels import MlaCase, device_limits, in_graph_us, make_caches
+    from dsa_dcp.bench.measure import device_limits, in_graph_us
+    from dsa_dcp.bench.mla_cases import MlaCase, make_caches
 
     limits = device_limits()
     print(f"limits: copy {limits['copy_GBps']:.0f} GB/s, bf16 mm {limits['bf16_mm_TFLOPS']:.0f} TFLOP/s")

@@ -40,33 +40,18 @@ import sys
 
 import torch
 
-from dsa_dcp.bench.kernels import L2_BYTES, median_us, versions
+from dsa_dcp.bench.measure import L2_BYTES, device_limits, in_graph_us, versions
 
 PAGE = 64
 DI = 128
 K = 2048
 GRAPH_CALLS = 10
-
-
-def graph_us(calls, rep: int = 40) -> float:
-    """Time per call of ``calls`` (a list of callables run in turn) captured in one CUDA graph."""
-    for fn in calls[:2]:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    us = median_us(graph.replay, rep) / len(calls)
-    del graph
-    return us
+REP = 40  # ms of replays a timing
 
 
 def copy_GBps() -> float:
     """Device-to-device copy bandwidth (read + write bytes), as ``bench kernels`` measures it (a
     2 GiB bf16 copy: a byte-wise copy of uint8 ran at 2.8 TB/s on the H200, not its 4.3)."""
-    from dsa_dcp.bench.kernels import device_limits
-
     return device_limits()["copy_GBps"]
 
 
@@ -190,12 +175,13 @@ def bench_indexer(batches, contexts, keys, heads, inductor_mode: str, copy_bw: f
             fn = None  # the composition's fp32 [B, C, Di] copy did not fit: time ours only
         from dsa_dcp.kernels import topk_select_triton
 
-        row["ours_us"] = graph_us([lambda v=v: case.ours(v) for v in range(case.views)] * max(1, GRAPH_CALLS // case.views))
-        row["scores_us"] = graph_us([lambda v=v: case.scores(v) for v in range(case.views)]
-                                    * max(1, GRAPH_CALLS // case.views))  # fmt: skip
+        row["ours_us"] = in_graph_us([lambda v=v: case.ours(v) for v in range(case.views)]
+                                     * max(1, GRAPH_CALLS // case.views), REP)  # fmt: skip
+        row["scores_us"] = in_graph_us([lambda v=v: case.scores(v) for v in range(case.views)]
+                                       * max(1, GRAPH_CALLS // case.views), REP)  # fmt: skip
         scores = case.scores()
-        row["topk_us"] = graph_us([lambda: topk_select_triton(scores, K, case.page_tables[0], case.req_ids, PAGE)]
-                                  * GRAPH_CALLS)  # fmt: skip
+        row["topk_us"] = in_graph_us([lambda: topk_select_triton(scores, K, case.page_tables[0], case.req_ids, PAGE)]
+                                     * GRAPH_CALLS, REP)  # fmt: skip
         row["ours_GBps"] = case.bytes / row["ours_us"] / 1e3
         row["floor_us"] = case.bytes / copy_bw / 1e3
         row["ours_over_floor"] = row["ours_us"] / row["floor_us"]
@@ -204,7 +190,7 @@ def bench_indexer(batches, contexts, keys, heads, inductor_mode: str, copy_bw: f
             if f is None:
                 continue
             try:
-                row[f"{name}_us"] = graph_us([lambda f=f: f(*case.args(), K)] * calls, rep=25)
+                row[f"{name}_us"] = in_graph_us([lambda f=f: f(*case.args(), K)] * calls, rep=25)
                 row[f"{name}_over_ours"] = row[f"{name}_us"] / row["ours_us"]
             except torch.OutOfMemoryError:
                 row[f"{name}_us"] = None
@@ -222,9 +208,9 @@ def _topk_inputs(b: int, ctx: int):
 
 
 def _split_chunks(b: int, ctx: int) -> int:
-    from dsa_dcp.kernels.indexer import _sm_count
+    from dsa_dcp.kernels._common import sm_count
 
-    return max(2, min(math.ceil(2 * _sm_count(torch.device("cuda")) / b), ctx // 1024))
+    return max(2, min(math.ceil(2 * sm_count(torch.device("cuda")) / b), ctx // 1024))
 
 
 def bench_topk(batches, contexts, out: list) -> None:
@@ -237,9 +223,9 @@ def bench_topk(batches, contexts, out: list) -> None:
         row = {"part": "topk", "B": b, "ctx": ctx, "K": K, "bytes": b * ctx * 4 + b * K * 4, "split_chunks": split}
         for name, chunks in (("ours", None), ("row", 1), ("split", split)):
             assert torch.equal(topk_select_triton(scores, K, pt, req, PAGE, chunks=chunks), ref), (name, b, ctx)
-            row[f"{name}_us"] = graph_us([lambda c=chunks: topk_select_triton(scores, K, pt, req, PAGE, chunks=c)]
-                                         * GRAPH_CALLS)  # fmt: skip
-        row["torch_us"] = graph_us([lambda: torch.topk(scores, K, dim=-1)] * GRAPH_CALLS)
+            row[f"{name}_us"] = in_graph_us([lambda c=chunks: topk_select_triton(scores, K, pt, req, PAGE, chunks=c)]
+                                            * GRAPH_CALLS, REP)  # fmt: skip
+        row["torch_us"] = in_graph_us([lambda: torch.topk(scores, K, dim=-1)] * GRAPH_CALLS, REP)
         row["ours_GBps"] = row["bytes"] / row["ours_us"] / 1e3
         row["torch_over_ours"] = row["torch_us"] / row["ours_us"]
         out.append(row)
@@ -256,10 +242,11 @@ def bench_remap(batches, contexts, out: list, n: int = 2) -> None:
         got = topk_select_remap_triton(scores, K, n, 0, 1, pt, req, PAGE)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (b, ctx)
         row = {"part": "remap", "B": b, "ctx": ctx, "K": K, "N": n}
-        row["topk_us"] = graph_us([lambda: topk_select_triton(scores, K, pt, req, PAGE)] * GRAPH_CALLS)
-        row["fused_us"] = graph_us([lambda: topk_select_remap_triton(scores, K, n, 0, 1, pt, req, PAGE)] * GRAPH_CALLS)
-        row["composed_us"] = graph_us(
-            [lambda: topk_remap_triton(topk_select_triton(scores, K, pt, req, PAGE), n, 0, 1)] * GRAPH_CALLS)
+        row["topk_us"] = in_graph_us([lambda: topk_select_triton(scores, K, pt, req, PAGE)] * GRAPH_CALLS, REP)
+        row["fused_us"] = in_graph_us([lambda: topk_select_remap_triton(scores, K, n, 0, 1, pt, req, PAGE)]
+                                      * GRAPH_CALLS, REP)  # fmt: skip
+        row["composed_us"] = in_graph_us(
+            [lambda: topk_remap_triton(topk_select_triton(scores, K, pt, req, PAGE), n, 0, 1)] * GRAPH_CALLS, REP)
         row["fused_over_topk"] = row["fused_us"] / row["topk_us"]
         out.append(row)
 
@@ -279,8 +266,8 @@ def bench_score_tiles(keys, heads, out: list, b: int = 32, ctx: int = 32768) -> 
         for tiles in [{}] + SCORE_TILES:
             got = index_scores_triton(*case.args(), **tiles)
             assert ((got - ref)[fin].abs().max() / ref[fin].abs().max()).item() < 1e-3, tiles
-            us = graph_us([lambda v=v: index_scores_triton(*case.args(v), **tiles) for v in range(case.views)]
-                          * max(1, GRAPH_CALLS // case.views))  # fmt: skip
+            us = in_graph_us([lambda v=v: index_scores_triton(*case.args(v), **tiles) for v in range(case.views)]
+                             * max(1, GRAPH_CALLS // case.views), REP)  # fmt: skip
             key_bytes = b * ctx * (DI * case.cache.element_size() + (4 if kd == "fp8" else 0))
             out.append({"part": "tiles", "keys": kd, "Hi": hi, "B": b, "ctx": ctx, "tiles": str(tiles or "default"),
                         "us": us, "key_GBps": key_bytes / us / 1e3})  # fmt: skip

@@ -1,14 +1,14 @@
 """``dsa-dcp bench kernels``: each kernel against what a user would otherwise run.
 
 Every variant is checked against the torch reference on the same inputs before it is timed.
-Times are medians in microseconds, two ways:
+Times are medians in microseconds, two ways (:mod:`dsa_dcp.bench.measure`):
 
 - ``eager``: ``triton.testing.do_bench`` over launches from Python (CUDA events, warm, L2 flushed
   before each call). For small kernels this is the host's launch cost, not the GPU's.
 - ``graph``: calls captured back to back in one CUDA graph, replayed, time per call. This is what
   a captured decode step pays. For ``sparse_mla`` the captured calls rotate over disjoint slices
   of a 1.2 GB KV cache (about 100 MB or more of distinct rows a replay, twice the H200's L2),
-  so every call gathers rows that are not in L2.
+  so every call gathers rows that are not in L2 (:mod:`dsa_dcp.bench.mla_cases`).
 
 Kernels:
 
@@ -34,36 +34,13 @@ each backend as the op (eager), and ``--write-table`` writes the winners for
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
-import math
 import sys
 
 import torch
 
-GRAPH_CALLS = 20
-L2_BYTES = 50 << 20  # the H200's L2 is 50 MB (60 MB on the die, 50 MB enabled)
-SLOTS = 1 << 20
-DC, DR = 512, 64
-
-
-def median_us(fn, rep: int = 100) -> float:
-    import triton
-
-    return 1e3 * triton.testing.do_bench(fn, warmup=max(rep // 4, 5), rep=rep, return_mode="median")
-
-
-def in_graph_us(fns, rep: int = 100) -> float:
-    """Time per call of ``fns`` (a callable, or a list called in turn) captured in one CUDA graph."""
-    calls = [fns] * GRAPH_CALLS if callable(fns) else list(fns)
-    for fn in calls[:2]:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    return median_us(graph.replay, rep) / len(calls)
+from dsa_dcp.bench.measure import device_limits, in_graph_us, median_us, versions
+from dsa_dcp.bench.mla_cases import DC, SLOTS, MlaCase, check_mla, mla_cases
 
 
 def _try_in_graph_us(fns, row: dict, key: str) -> None:
@@ -121,102 +98,6 @@ def bench_combine(batches=(1, 8, 32, 128), ns=(2, 4, 8), heads=64, d=DC) -> list
             torch_ = lambda: lse_combine_reference(out, lse)  # noqa: E731
             rows.append(_pair("lse_combine", {"B": b, "N": n, "H/N": heads // n, "D": d}, ours, torch_))
     return rows
-
-
-class MlaCase:
-    """Inputs of one sparse MLA shape: queries, a 1M-slot cache in ``views`` disjoint slices and a
-    top-k into one slice (the same indices address a different slice in each view)."""
-
-    def __init__(self, cache: torch.Tensor, h: int, b: int, k: int, kv: str, scale_fp8: float):
-        self.h, self.b, self.k, self.kv = h, b, k, kv
-        per_call = b * k * (DC + DR) * cache.element_size()
-        self.views = max(1, min(128, math.ceil(2 * L2_BYTES / per_call)))
-        span = cache.shape[0] // self.views
-        self.caches = [cache[i * span:(i + 1) * span] for i in range(self.views)]
-        self.q_nope = torch.randn(b, h, DC, device="cuda", dtype=torch.bfloat16)
-        self.q_pe = torch.randn(b, h, DR, device="cuda", dtype=torch.bfloat16)
-        self.topk = torch.stack([torch.randperm(span, device="cuda")[:k] for _ in range(b)]).int()
-        self.sm_scale = 192**-0.5
-        self.kv_scale = scale_fp8 if kv == "fp8" else None
-        self.bytes = b * k * (DC + DR) * cache.element_size() + 2 * b * h * (DC + DR) * 2
-        self.flops = 2 * b * h * k * (DC + DR + DC)  # scores over 576 columns, values over 512
-
-    def reference(self):
-        from dsa_dcp.kernels import sparse_mla_reference
-
-        return sparse_mla_reference(self.q_nope, self.q_pe, self.caches[0], self.topk, self.sm_scale, self.kv_scale)
-
-    def triton(self, view: int = 0, **tiles):
-        from dsa_dcp.kernels import sparse_mla_triton
-
-        return lambda: sparse_mla_triton(
-            self.q_nope, self.q_pe, self.caches[view], self.topk, self.sm_scale, self.kv_scale, **tiles
-        )
-
-    def hopper(self, view: int = 0, **kw):
-        from dsa_dcp.kernels.sparse_mla_hopper import sparse_mla_hopper
-
-        return lambda: sparse_mla_hopper(
-            self.q_nope, self.q_pe, self.caches[view], self.topk, self.sm_scale, self.kv_scale, **kw
-        )
-
-    def flashinfer_op(self, backend: str):
-        """The whole ``sparse_mla`` call through FlashInfer, as the op runs it uncaptured."""
-        from dsa_dcp.kernels import flashinfer_mla
-
-        return lambda: flashinfer_mla.sparse_mla_flashinfer(
-            self.q_nope, self.q_pe, self.caches[0], self.topk, self.sm_scale, backend=backend
-        )
-
-    def flashinfer_runs(self, backend: str, graph: bool):
-        """``wrapper.run`` per view after one ``plan()`` (graph: a CUDA-graph wrapper)."""
-        import flashinfer
-
-        b, h, k = self.b, self.h, self.k
-        ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-        indptr = torch.arange(b + 1, dtype=torch.int32, device="cuda")
-        kv_indptr, indices = indptr * k, self.topk.reshape(-1).contiguous()
-        lens = torch.full((b,), k, dtype=torch.int32, device="cuda")
-        if graph:
-            wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-                ws, True, indptr.clone(), kv_indptr.clone(), indices.clone(), lens.clone(), backend=backend
-            )
-        else:
-            wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
-        wrapper.plan(indptr, kv_indptr, indices, lens, h, DC, DR, 1, False, self.sm_scale, torch.bfloat16,
-                     torch.bfloat16)
-        out = torch.empty(b, h, DC, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(b, h, device="cuda", dtype=torch.float32)
-
-        def run(cache):
-            ckv, kpe = cache[:, :DC].unsqueeze(1), cache[:, DC:].unsqueeze(1)
-            return lambda: wrapper.run(self.q_nope, self.q_pe, ckv, kpe, out=out, lse=lse, return_lse=True)
-
-        return [run(c) for c in self.caches]
-
-
-def check_mla(name: str, got, ref, lse_base2: bool = False) -> None:
-    out, lse = got
-    if lse_base2:
-        lse = lse * 0.6931471805599453
-    rel = ((out.float() - ref[0].float()).norm() / ref[0].float().norm()).item()
-    assert rel < 2e-2, (name, rel)
-    torch.testing.assert_close(lse.float(), ref[1], rtol=1e-2, atol=1e-2)
-
-
-def make_caches():
-    cache = torch.randn(SLOTS, DC + DR, device="cuda", dtype=torch.bfloat16)
-    scale = float(cache.abs().amax()) / 448.0
-    return {"bf16": (cache, None), "fp8": ((cache.float() / scale).to(torch.float8_e4m3fn), scale)}
-
-
-def mla_cases(heads, batches, ks, kvs):
-    """``(case, reference result)`` for every shape, over one pair of BF16/FP8 caches."""
-    caches = make_caches()
-    for kv, h, b, k in itertools.product(kvs, heads, batches, ks):
-        cache, scale = caches[kv]
-        case = MlaCase(cache, h, b, k, kv, scale)
-        yield case, case.reference()
 
 
 def _rates(row: dict, name: str, case: "MlaCase") -> None:
@@ -284,30 +165,6 @@ def bench_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 1024, 20
             f"{n} {row[n + '_graph_us']:.1f}" for n in ("triton", "hopper", "fa2", "fa3") if row.get(n + "_graph_us")),
             file=sys.stderr)
     return rows
-
-
-def device_limits() -> dict:
-    """This device's copy bandwidth (2 GiB device to device, bytes read + written) and bf16
-    matrix rate (8192^3 on random data), measured once: the ceilings beside the kernel rates."""
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    copy_us = median_us(lambda: dst.copy_(src), rep=200)
-    del src, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_us = median_us(lambda: a @ b, rep=200)
-    return {"copy_GBps": 2 * (2 << 30) / copy_us / 1e3, "bf16_mm_TFLOPS": 2 * 8192**3 / mm_us / 1e6}
-
-
-def versions() -> dict:
-    import triton
-
-    v = {"torch": torch.__version__, "triton": triton.__version__}
-    if importlib.util.find_spec("flashinfer") is not None:
-        import flashinfer
-
-        v["flashinfer"] = flashinfer.__version__
-    return v
 
 
 COLUMNS = {

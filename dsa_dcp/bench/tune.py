@@ -2,7 +2,7 @@
 
 Per shape (H, B, K, KV dtype): the fastest Triton tiles and, where it runs, the Hopper kernel's
 fastest split count, each timed in a CUDA graph over KV rows that are not in L2 (see
-:mod:`dsa_dcp.bench.kernels`); the faster of the two is the captured choice (``graph_backend``).
+:mod:`dsa_dcp.bench.mla_cases`); the faster of the two is the captured choice (``graph_backend``).
 Then the fastest backend as the op runs it uncaptured (Triton with its tiles, Hopper with its
 splits, FlashInfer fa2 and fa3 through the adapter, ``plan()`` included) is ``backend``. Every
 candidate is checked against the reference before it is timed. The result is the JSON table
@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from dsa_dcp.bench.kernels import check_mla, in_graph_us, median_us, mla_cases, versions
+from dsa_dcp.bench.measure import in_graph_us, median_us, versions
+from dsa_dcp.bench.mla_cases import check_mla, mla_cases
 
 # A first sweep (block_h 16/32/64 x block_k 16/32/64 x 4/8 warps x 1/2 stages, H = 64, B = 1 and 8,
 # bf16) was won only by the first six; the last five are for larger batches, where 64-head tiles
@@ -129,8 +130,9 @@ def tune_sparse_mla(heads=(64, 128), batches=(1, 8, 32, 128), ks=(512, 2048), kv
     shipped table's choice) and the Hopper kernel's fastest split count in graph (where it runs);
     then the fastest backend as the op (eager). Every timing is printed."""
     from dsa_dcp.kernels import sparse_mla_hopper
+    from dsa_dcp.kernels._common import sm_count
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda", 0))
     have_fi = importlib.util.find_spec("flashinfer") is not None
     have_hopper = sparse_mla_hopper.available()
     if not have_hopper:

@@ -1,4 +1,5 @@
-"""Shared helpers for the Triton kernels: input checks, launchability, and one device function."""
+"""Shared helpers for the Triton kernels: input checks, launchability, the SM count grids are sized
+by, and one device function."""
 
 from __future__ import annotations
 
@@ -53,6 +54,21 @@ def check_launchable(kernel, *tensors: torch.Tensor) -> None:
             )
 
 
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``, asked of the driver once per GPU (launchers
+    size their grids with it on every call); 0 for any other device, which has no waves to fill
+    (the interpreter runs programs one after another)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
@@ -77,6 +93,20 @@ def check_float(op: str, name: str, t: torch.Tensor, ndim: int, dtypes=None) -> 
         raise ValueError(f"{op}: {name} dtype must be one of {list(dtypes)}, got {t.dtype}")
     if not t.is_floating_point():
         raise ValueError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
+
+
+def check_int(op: str, name: str, v, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{op}: {name} must be a Python int >= {lo}, got {v!r}")
+
+
+def check_remap_args(dcp_size, rank, interleave, op: str) -> None:
+    """The ``(N, r, I)`` of a sharded or remapped indexer op (``topk_remap`` checks its own)."""
+    check_int(op, "dcp_size", dcp_size, 1)
+    check_int(op, "interleave", interleave, 1)
+    check_int(op, "rank", rank, 0)
+    if rank >= dcp_size:
+        raise ValueError(f"{op}: rank must be in [0, {dcp_size}), got {rank}")
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

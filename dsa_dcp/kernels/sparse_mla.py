@@ -52,6 +52,7 @@ from ._common import (
     last_dim_contiguous,
     max_keep_nan,
     next_pow2,
+    sm_count,
 )
 from . import dispatch
 from .lse_combine import lse_combine_triton
@@ -314,16 +315,6 @@ def _sparse_mla_kernel(
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
 def _default_tiles(B: int, H: int, device: torch.device) -> tuple[int, int, int]:
     """(block_h, block_k, num_warps), from a sweep on one H200 at Dc=512, Dr=64, K=2048, bf16."""
     if device.type != "cuda":
@@ -340,7 +331,7 @@ def _default_splits(programs: int, K: int, block_k: int, device: torch.device) -
 
     (At half a wave or more, the fp32 partials and the extra combine cost more than they gain.)
     """
-    sms = _sm_count(device) if device.type == "cuda" else 0
+    sms = sm_count(device)
     if 2 * programs > sms:
         return 1
     return max(1, min(cdiv(sms, programs), K // (2 * block_k)))

@@ -71,7 +71,7 @@ import os
 import torch
 
 from . import dispatch
-from ._common import cdiv, check_same_device, last_dim_contiguous
+from ._common import cdiv, check_same_device, last_dim_contiguous, sm_count
 
 _OP = "sparse_mla_hopper"
 DC, DR = 512, 64
@@ -519,16 +519,6 @@ if _IMPORT_ERROR is None:
         _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
 def default_splits(B: int, H: int, K: int, sms: int, block_k: int = BLOCK_K) -> int:
     """K splits for ``B * ceil(H / 64)`` CTAs on ``sms`` multiprocessors (one CTA fits an SM):
     none when the CTAs fill at least 3/4 of the GPU, else enough to fill it once, each split
@@ -630,7 +620,7 @@ def sparse_mla_hopper(
     if block_k not in PIPELINES:
         raise ValueError(f"{_OP}: block_k must be one of {sorted(PIPELINES)}, got {block_k}")
     tiles = cdiv(K, block_k)
-    splits = min(num_splits or default_splits(B, H, K, _sm_count(device), block_k), tiles)
+    splits = min(num_splits or default_splits(B, H, K, sm_count(device), block_k), tiles)
     split_len = cdiv(tiles, splits) * block_k
     splits = cdiv(K, split_len)  # every split has at least one key
     fp8 = kv.dtype in FP8_KV_DTYPES

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_launchable, is_interpreted, last_dim_contiguous, max_keep_nan, next_pow2
+from ._common import cdiv, check_launchable, is_interpreted, last_dim_contiguous, max_keep_nan, next_pow2, sm_count
 from .lse_combine import lse_combine_triton
-from .sparse_mla import _sm_count, sparse_mla_triton
+from .sparse_mla import sparse_mla_triton
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _sparse_mha_positions_kernel(
 
 def _splits(programs: int, K: int, block_k: int, device: torch.device) -> int:
     """Split K when the grid would fill under half the GPU; each split keeps two K tiles or more."""
-    sms = _sm_count(device) if device.type == "cuda" else 0
+    sms = sm_count(device)
     if 2 * programs > sms:
         return 1
     return max(1, min(cdiv(2 * sms, programs), K // (2 * block_k)))

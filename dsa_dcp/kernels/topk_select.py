@@ -1,0 +1,524 @@
+"""The lightning indexer's top-k: a radix select over each row's scores, alone or fused with the DCP
+remap.
+
+Contracts (both implementations of each; ``-1`` or any negative id means "no page / no slot"):
+
+``topk_select(scores[T, C], k, page_table=None, req_ids=None, page_size=1) -> topk[T, k] int32``
+
+    The ``min(k, C)`` largest scores of each row, ordered by the total order "larger value
+    first, and among equal values the lower candidate position first", with NaN larger than
+    every number (as ``torch.topk`` ranks it) and ``-0.0 == +0.0``. ``-inf`` scores are never
+    selected. The selected candidates are returned **in ascending candidate position**
+    (not best first: attention needs only the set), compacted to the front; the tail is ``-1``
+    (past the row's count: ``min(k, number of scores != -inf)``; ``k > C`` pads with ``-1``).
+    Without a page table the entries are candidate positions; with one they are global slots
+    ``page_table[req, p // P] * P + p % P`` (``-1`` where that page is negative; every entry of a
+    row with a negative ``req_ids`` is ``-1``), the candidates of :mod:`.index_scores`. The set is
+    the model's ``torch.topk`` set up to equal values: where several candidates tie at the k-th
+    value, the lowest positions win.
+
+``topk_select_remap(scores, k, dcp_size N, rank r, interleave I, page_table=None, req_ids=None,
+page_size=1) -> (local[T, k] int32, count[T] int32)``
+
+    Exactly ``topk_remap(topk_select(scores, k, ...), N, r, I)`` (:mod:`.topk_remap`): the
+    selected slots rank ``r`` owns, as local rows, compacted to the front in ascending candidate
+    position, tail ``-1``, and how many per row. One kernel: no ``[T, k]`` global top-k is
+    written.
+
+The top-k is computed from the scores it is given, so kernel and reference select the same set
+from the same scores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    TRITON_FLOAT_DTYPES,
+    cdiv,
+    check_float,
+    check_index,
+    check_int,
+    check_launchable,
+    check_remap_args,
+    check_same_device,
+    is_interpreted,
+    last_dim_contiguous,
+    next_pow2,
+    sm_count,
+)
+from .index_scores import candidate_slots
+from .topk_remap import _owned, topk_remap_reference
+
+RADIX = 256  # 8-bit digits: four passes over a 32-bit key
+
+_SELECT = "topk_select"
+
+
+def _check_select(scores, k, page_table, req_ids, page_size, op=_SELECT) -> None:
+    check_float(op, "scores", scores, 2, TRITON_FLOAT_DTYPES)
+    check_int(op, "k", k, 0)
+    if (page_table is None) != (req_ids is None):
+        raise ValueError(f"{op}: page_table and req_ids come together (slots) or not at all (positions)")
+    if page_table is not None:
+        check_index(op, "page_table", page_table, 2)
+        check_index(op, "req_ids", req_ids, 1)
+        check_int(op, "page_size", page_size, 1)
+        if req_ids.shape[0] != scores.shape[0]:
+            raise ValueError(f"{op}: req_ids must have T = {scores.shape[0]} entries, got {tuple(req_ids.shape)}")
+        if page_table.shape[1] * page_size != scores.shape[1]:
+            raise ValueError(
+                f"{op}: scores must have C = max_pages * page_size = {page_table.shape[1]} * {page_size} "
+                f"columns, got {scores.shape[1]}"
+            )
+        check_same_device(op, scores=scores, page_table=page_table, req_ids=req_ids)
+
+
+def topk_select_reference(
+    scores: torch.Tensor,
+    k: int,
+    page_table: torch.Tensor | None = None,
+    req_ids: torch.Tensor | None = None,
+    page_size: int = 1,
+) -> torch.Tensor:
+    """Plain-torch top-k selection (see module docstring): a stable descending sort gives the
+    tie rule (lower position first among equal values; NaN first), the first ``min(k, C)`` not
+    ``-inf`` are kept and put back in position order. No host sync."""
+    _check_select(scores, k, page_table, req_ids, page_size)
+    T, C = scores.shape
+    device = scores.device
+    s = scores.to(torch.float32)
+    s = torch.where(s == 0, torch.zeros_like(s), s)  # -0.0 ties with +0.0
+    n = min(k, C)
+    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :n]
+    keep = s.gather(1, order) != float("-inf")
+    pos = torch.where(keep, order, torch.full_like(order, C)).sort(dim=1).values  # position order
+    taken = pos < C
+    if page_table is not None:
+        cand = candidate_slots(page_table, req_ids, page_size)
+        out = cand.gather(1, pos.clamp(max=max(C - 1, 0))) if C > 0 else pos
+    else:
+        out = pos
+    out = torch.where(taken, out, torch.full_like(out, -1)).to(torch.int32)
+    if n < k:
+        out = torch.cat([out, torch.full((T, k - n), -1, dtype=torch.int32, device=device)], dim=1)
+    return out
+
+
+def topk_select_remap_reference(
+    scores: torch.Tensor,
+    k: int,
+    dcp_size: int,
+    rank: int,
+    interleave: int = 1,
+    page_table: torch.Tensor | None = None,
+    req_ids: torch.Tensor | None = None,
+    page_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_remap_reference(topk_select_reference(...))``: the fused op's meaning, composed."""
+    check_remap_args(dcp_size, rank, interleave, "topk_select_remap")
+    topk = topk_select_reference(scores, k, page_table, req_ids, page_size)
+    return topk_remap_reference(topk, dcp_size, rank, interleave)
+
+
+# --------------------------------------------------------------------------- the radix select
+#
+# The key of a score is a uint32 whose unsigned order is the selection's order (NaN largest,
+# -0.0 == +0.0, -inf -> 0). The k-th largest key is found one 8-bit digit at a time, most
+# significant first: a histogram of the digit over the keys that match the digits found so far
+# (the prefix) picks the bin holding the k-th largest, and "need" shrinks by the count above it.
+# A pass stops the search early when the whole bin is needed (unless the bin could hold -inf
+# keys, whose key is 0). The selection is then: every key whose top bits are above the prefix,
+# plus, among those equal to it, the first `need` in position order.
+
+
+@triton.jit
+def _ordered_key(x):
+    """fp32 -> uint32 key whose unsigned order is the selection's (NaN largest, -inf 0)."""
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+    key = tl.where(x != x, 0xFFFFFFFF, key)
+    return tl.where(x == float("-inf"), 0, key).to(tl.uint32)
+
+
+@triton.jit
+def _advance(hist, prefix, need, PASS: tl.constexpr):
+    """One digit of the search from the pass's histogram: (prefix, need, done)."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= bin
+    digit = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
+    above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+    in_bin = tl.sum(tl.where(bins == digit, hist, 0), axis=0)
+    prefix = (prefix << 8) | digit.to(tl.uint32)
+    need = need - above
+    done = ((need == in_bin) & (prefix != 0)) | (PASS == 3)
+    return prefix, need, done
+
+
+@triton.jit
+def _slots_of(offs, mask, page_row, PAGE: tl.constexpr, HAS_PT: tl.constexpr):
+    """Slot (int64, -1 for none) of candidate positions ``offs`` (the positions themselves
+    without a page table); loads only where ``mask``."""
+    if HAS_PT:
+        page = tl.load(page_row + offs // PAGE, mask=mask, other=-1).to(tl.int64)
+        return tl.where(page >= 0, page * PAGE + offs % PAGE, -1)
+    else:
+        return offs.to(tl.int64)
+
+
+@triton.jit
+def _chunk_hist(scores_ptr, lo, hi, prefix, page_row, RANK, PASS: tl.constexpr, OWNED: tl.constexpr,
+                PAGE: tl.constexpr, HAS_PT: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Histogram of digit PASS over the keys in [lo, hi) whose top 8*PASS bits equal ``prefix``,
+    and the number whose top bits are above it; with OWNED the same two restricted to the
+    candidates rank RANK owns."""
+    hist = tl.zeros([256], dtype=tl.int32)
+    above = 0
+    hist_own = tl.zeros([256], dtype=tl.int32)
+    above_own = 0
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inr = offs < hi
+        key = _ordered_key(tl.load(scores_ptr + offs, mask=inr, other=float("-inf")).to(tl.float32))
+        digit = ((key >> (24 - 8 * PASS)) & 0xFF).to(tl.int32)
+        if PASS == 0:
+            match = inr
+            higher = offs < 0
+        else:
+            top = key >> (32 - 8 * PASS)
+            match = inr & (top == prefix)
+            higher = inr & (top > prefix)
+        hist += tl.histogram(digit, 256, mask=match)
+        above += tl.sum(higher.to(tl.int32), axis=0)
+        if OWNED:
+            keep, _ = _owned(_slots_of(offs, match | higher, page_row, PAGE, HAS_PT), DCP_SIZE, RANK, INTERLEAVE)
+            hist_own += tl.histogram(digit, 256, mask=match & keep)
+            above_own += tl.sum((higher & keep).to(tl.int32), axis=0)
+    return hist, above, hist_own, above_own
+
+
+@triton.jit
+def _write_selected(scores_ptr, lo, hi, prefix, shift, need, active, eq_seen, sel_seen, own_seen,
+                    out_ptr, page_row, RANK, PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr,
+                    DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
+    """Write the selected candidates of [lo, hi) in position order, after ``sel_seen`` (or, with
+    REMAP, the kept local rows after ``own_seen``) entries written before; ``eq_seen`` keys equal
+    to the prefix came before [lo, hi). Returns the three running counts."""
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inr = offs < hi
+        inr = tl.where(active, inr, False)
+        key = _ordered_key(tl.load(scores_ptr + offs, mask=inr, other=float("-inf")).to(tl.float32))
+        top = key >> shift.to(tl.uint32)
+        is_eq = inr & (top == prefix)
+        eq_i = is_eq.to(tl.int32)
+        rank_eq = eq_seen + tl.cumsum(eq_i, axis=0) - eq_i
+        sel = (inr & (top > prefix)) | (is_eq & (rank_eq < need))
+        slot = _slots_of(offs, sel, page_row, PAGE, HAS_PT)
+        if REMAP:
+            keep, row = _owned(slot, DCP_SIZE, RANK, INTERLEAVE)
+            keep = keep & sel
+            keep_i = keep.to(tl.int32)
+            tl.store(out_ptr + own_seen + tl.cumsum(keep_i, axis=0) - keep_i, row.to(tl.int32), mask=keep)
+            own_seen += tl.sum(keep_i, axis=0)
+        else:
+            sel_i = sel.to(tl.int32)
+            tl.store(out_ptr + sel_seen + tl.cumsum(sel_i, axis=0) - sel_i, tl.where(slot >= 0, slot, -1).to(tl.int32),
+                     mask=sel)  # fmt: skip
+        sel_seen += tl.sum(sel.to(tl.int32), axis=0)
+        eq_seen += tl.sum(eq_i, axis=0)
+    return eq_seen, sel_seen, own_seen
+
+
+@triton.jit
+def _write_tail(out_ptr, count_ptr, total, K, REMAP: tl.constexpr, BLOCK: tl.constexpr):
+    for start in range(0, K, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs < K) & (offs >= total))
+    if REMAP:
+        tl.store(count_ptr, total)
+
+
+@triton.jit
+def _row_need(req_ptr, t, C, K, R, HAS_PT: tl.constexpr):
+    """How many candidates row t selects before -inf is excluded: min(K, C), 0 for a row
+    without a request (an id < 0, or >= R: out of contract, never read)."""
+    need = tl.minimum(K, C)
+    if HAS_PT:
+        req = tl.load(req_ptr + t)
+        need = tl.where((req >= 0) & (req < R), need, 0)
+    return need
+
+
+@triton.jit
+def _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT: tl.constexpr):
+    """Row t's page-table row (clamped into the table; rows without a request read nothing)."""
+    if HAS_PT:
+        return pt_ptr + tl.minimum(tl.maximum(tl.load(req_ptr + t).to(tl.int64), 0), R - 1) * stride_pt
+    else:
+        return pt_ptr
+
+
+@triton.jit
+def _topk_row_kernel(
+    scores_ptr, out_ptr, count_ptr, pt_ptr, req_ptr, C, K, R, RANK, stride_s, stride_pt, stride_o,
+    PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (T,): one program selects a whole row (the passes read it again from L1/L2)."""
+    t = tl.program_id(0).to(tl.int64)
+    row = scores_ptr + t * stride_s
+    page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
+    need = _row_need(req_ptr, t, C, K, R, HAS_PT)
+    active = need > 0
+    prefix = tl.cast(0, tl.uint32)
+    level = tl.cast(0, tl.int32)
+    done = need == 0
+    for d in tl.static_range(4):
+        if not done:
+            hist, _, _, _ = _chunk_hist(row, 0, C, prefix, page_row, RANK, d, False, PAGE, HAS_PT, DCP_SIZE,
+                                        INTERLEAVE, BLOCK)  # fmt: skip
+            prefix, need, done = _advance(hist, prefix, need, d)
+            level = tl.cast(d, tl.int32)
+    need = tl.where((level == 3) & (prefix == 0), 0, need)  # the bin of -inf: none of it
+    zero = tl.cast(0, tl.int32)
+    _, sel, own = _write_selected(row, 0, C, prefix, 24 - 8 * level, need, active, zero, zero, zero,
+                                  out_ptr + t * stride_o, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
+                                  INTERLEAVE, BLOCK)  # fmt: skip
+    _write_tail(out_ptr + t * stride_o, count_ptr + t, own if REMAP else sel, K, REMAP, BLOCK)
+
+
+@triton.jit
+def _load_state(hist_ptr, need, NPASS: tl.constexpr):
+    """(prefix, need, level, done) after the first NPASS passes, from the rows' histograms."""
+    prefix = tl.cast(0, tl.uint32)
+    level = tl.cast(0, tl.int32)
+    done = need == 0
+    for d in tl.static_range(NPASS):
+        if not done:
+            hist = tl.load(hist_ptr + d * 256 + tl.arange(0, 256))
+            prefix, need, done = _advance(hist, prefix, need, d)
+            level = tl.cast(d, tl.int32)
+    return prefix, need, level, done
+
+
+@triton.jit
+def _topk_pass_kernel(
+    scores_ptr, hist_ptr, above_ptr, pt_ptr, req_ptr, C, K, R, CHUNK, NCHUNK, RANK, stride_s, stride_pt,
+    PASS: tl.constexpr, PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (T, NCHUNK): pass PASS over chunk j of row t.
+
+    Adds the chunk's digit histogram to the row's (``hist[t, PASS]``, atomics; zeroed by the
+    launcher) and stores, for the write kernel, the chunk's count of keys at or above each bin
+    of this pass (``above[t, PASS, j, :]``, the keys above the prefix included, and with REMAP
+    the same over owned candidates at ``above[t, PASS + 4, j, :]``).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    need = _row_need(req_ptr, t, C, K, R, HAS_PT)
+    prefix, need, level, done = _load_state(hist_ptr + t * 4 * 256, need, PASS)
+    if not done:
+        page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
+        lo = j * CHUNK
+        hi = tl.minimum(lo + CHUNK, C)
+        hist, above, hist_own, above_own = _chunk_hist(scores_ptr + t * stride_s, lo, hi, prefix, page_row, RANK,
+                                                       PASS, REMAP, PAGE, HAS_PT, DCP_SIZE, INTERLEAVE, BLOCK)
+        bins = tl.arange(0, 256)
+        tl.atomic_add(hist_ptr + (t * 4 + PASS) * 256 + bins, hist, mask=hist > 0, sem="relaxed")
+        at_or_above = above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        tl.store(above_ptr + ((t * 8 + PASS) * NCHUNK + j) * 257 + bins, at_or_above)
+        tl.store(above_ptr + ((t * 8 + PASS) * NCHUNK + j) * 257 + 256, above)
+        if REMAP:
+            own_at_or_above = above_own + tl.sum(hist_own, axis=0) - tl.cumsum(hist_own, axis=0) + hist_own
+            tl.store(above_ptr + ((t * 8 + 4 + PASS) * NCHUNK + j) * 257 + bins, own_at_or_above)
+            tl.store(above_ptr + ((t * 8 + 4 + PASS) * NCHUNK + j) * 257 + 256, above_own)
+
+
+@triton.jit
+def _count_owned_ties(scores_ptr, lo, hi, prefix, shift, take, page_row, RANK, PAGE: tl.constexpr,
+                      HAS_PT: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
+    """How many of the first ``take`` keys equal to the prefix in [lo, hi) rank RANK owns."""
+    seen = 0
+    owned = 0
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inr = offs < hi
+        key = _ordered_key(tl.load(scores_ptr + offs, mask=inr, other=float("-inf")).to(tl.float32))
+        is_eq = inr & ((key >> shift.to(tl.uint32)) == prefix)
+        eq_i = is_eq.to(tl.int32)
+        taken = is_eq & (seen + tl.cumsum(eq_i, axis=0) - eq_i < take)
+        keep, _ = _owned(_slots_of(offs, taken, page_row, PAGE, HAS_PT), DCP_SIZE, RANK, INTERLEAVE)
+        owned += tl.sum((keep & taken).to(tl.int32), axis=0)
+        seen += tl.sum(eq_i, axis=0)
+    return owned
+
+
+@triton.jit
+def _topk_write_kernel(
+    scores_ptr, hist_ptr, above_ptr, out_ptr, count_ptr, pt_ptr, req_ptr, C, K, R, CHUNK, NCHUNK, RANK,
+    stride_s, stride_pt, stride_o,
+    PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
+):
+    """Grid (T, NCHUNK): chunk j of row t writes its selected candidates.
+
+    The chunks before j hold ``gt`` keys above the threshold bin and ``eq`` in it; the first
+    ``need`` of the row's ``eq`` (in position order) are selected, so j's entries start after
+    ``sum gt + min(sum eq, need)`` of them. With REMAP the owned counts come the same way, except
+    for the one chunk whose ties are only partly selected: that chunk is scanned again. The last
+    chunk writes the ``-1`` tail (and the count).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    row = scores_ptr + t * stride_s
+    need = _row_need(req_ptr, t, C, K, R, HAS_PT)
+    active = need > 0
+    prefix, need, level, done = _load_state(hist_ptr + t * 4 * 256, need, 4)
+    need = tl.where((level == 3) & (prefix == 0), 0, need)
+    shift = 24 - 8 * level
+    page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
+    # the chunks' counts at the threshold bin of the last pass: at or above it, above it
+    digit = (prefix & 0xFF).to(tl.int32)
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    in_chunks = chunks < NCHUNK
+    base = above_ptr + (t * 8 + level) * NCHUNK * 257 + chunks * 257
+    live = tl.where(active, in_chunks, False)
+    at_or_above = tl.load(base + digit, mask=live, other=0)
+    gt = tl.load(base + digit + 1, mask=live, other=0)  # bin 256 holds "above the prefix"
+    eq = at_or_above - gt
+    before = chunks < j
+    eq_before_each = tl.cumsum(eq, axis=0) - eq
+    eq_before = tl.sum(tl.where(before, eq, 0), axis=0)
+    sel_before = tl.sum(tl.where(before, gt, 0), axis=0) + tl.minimum(eq_before, need)
+    own_before = 0
+    if REMAP:
+        base_own = above_ptr + (t * 8 + 4 + level) * NCHUNK * 257 + chunks * 257
+        own_at_or_above = tl.load(base_own + digit, mask=live, other=0)
+        own_gt = tl.load(base_own + digit + 1, mask=live, other=0)
+        full = eq_before_each + eq <= need
+        own_before = tl.sum(tl.where(before, own_gt + tl.where(full, own_at_or_above - own_gt, 0), 0), axis=0)
+        partial = in_chunks & (eq_before_each < need) & (eq_before_each + eq > need)
+        i_part = tl.sum(tl.where(partial, chunks, 0), axis=0)
+        if (tl.sum(partial.to(tl.int32), axis=0) > 0) & (i_part < j):
+            take = need - tl.sum(tl.where(partial, eq_before_each, 0), axis=0)
+            own_before += _count_owned_ties(row, i_part * CHUNK, tl.minimum(i_part * CHUNK + CHUNK, C), prefix,
+                                            shift, take, page_row, RANK, PAGE, HAS_PT, DCP_SIZE, INTERLEAVE, BLOCK)
+    lo = j * CHUNK
+    _, sel, own = _write_selected(row, lo, tl.minimum(lo + CHUNK, C), prefix, shift, need, active, eq_before,
+                                  sel_before, own_before, out_ptr + t * stride_o, page_row, RANK, PAGE, HAS_PT,
+                                  REMAP, DCP_SIZE, INTERLEAVE, BLOCK)  # fmt: skip
+    if j == NCHUNK - 1:
+        _write_tail(out_ptr + t * stride_o, count_ptr + t, own if REMAP else sel, K, REMAP, BLOCK)
+
+
+def _default_chunks(T: int, C: int, device: torch.device) -> int:
+    """Programs per row. One (the whole selection in one launch) for short rows or enough rows
+    to fill the GPU; else split each row so that about two programs run per SM, each over
+    1024 candidates or more (a pass launch each, see :func:`topk_select_triton`)."""
+    if device.type != "cuda":
+        return 1
+    if C <= 8192 or T >= sm_count(device) // 2:
+        return 1
+    return max(1, min(cdiv(2 * sm_count(device), T), C // 1024))
+
+
+def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=None, block=None, num_warps=None):
+    """Shared launcher of topk_select_triton and topk_select_remap_triton; returns (out, count)."""
+    T, C = scores.shape
+    device = scores.device
+    out = torch.empty((T, k), dtype=torch.int32, device=device)
+    count = torch.zeros((T,), dtype=torch.int32, device=device)
+    if T == 0 or k == 0:
+        return out, count
+    if C == 0:
+        return out.fill_(-1), count
+    check_launchable(_topk_row_kernel, scores)
+    dcp_size, rank, interleave = remap or (1, 0, 1)
+    has_pt = page_table is not None
+    scores = last_dim_contiguous(scores)
+    pt = last_dim_contiguous(page_table) if has_pt else out  # placeholder pointers when unused
+    req = req_ids.contiguous() if has_pt else count
+    stride_pt = pt.stride(0) if has_pt else 0
+    rows = page_table.shape[0] if has_pt else 1
+    ns = chunks or _default_chunks(T, C, device)
+    interpreted = is_interpreted(_topk_row_kernel)
+    blk = block or (32 if interpreted else (2048 if ns == 1 else 1024))
+    if blk < 8 or blk & (blk - 1):
+        raise ValueError(f"topk_select: block must be a power of two >= 8, got {blk}")
+    warps = num_warps or (8 if ns == 1 else 4)
+    common = dict(PAGE=page_size, HAS_PT=has_pt, REMAP=remap is not None, DCP_SIZE=dcp_size,
+                  INTERLEAVE=interleave, BLOCK=blk)  # fmt: skip
+    if ns == 1:
+        _topk_row_kernel[(T,)](
+            scores, out, count, pt, req, C, k, rows, rank, scores.stride(0), stride_pt, out.stride(0),
+            **common, num_warps=warps,
+        )  # fmt: skip
+        return out, count
+    chunk = cdiv(cdiv(C, ns), blk) * blk  # whole tiles a chunk
+    ns = cdiv(C, chunk)
+    hist = torch.zeros((T, 4, RADIX), dtype=torch.int32, device=device)
+    above = torch.empty((T, 8, ns, RADIX + 1), dtype=torch.int32, device=device)
+    for p in range(4):
+        _topk_pass_kernel[(T, ns)](
+            scores, hist, above, pt, req, C, k, rows, chunk, ns, rank, scores.stride(0), stride_pt,
+            PASS=p, **common, num_warps=warps,
+        )  # fmt: skip
+    _topk_write_kernel[(T, ns)](
+        scores, hist, above, out, count, pt, req, C, k, rows, chunk, ns, rank, scores.stride(0), stride_pt,
+        out.stride(0),
+        **common, BLOCK_CHUNKS=next_pow2(ns), num_warps=warps,
+    )  # fmt: skip
+    return out, count
+
+
+def topk_select_triton(
+    scores: torch.Tensor,
+    k: int,
+    page_table: torch.Tensor | None = None,
+    req_ids: torch.Tensor | None = None,
+    page_size: int = 1,
+    *,
+    chunks: int | None = None,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Triton radix top-k (see module docstring). No host sync, no data-dependent shapes.
+
+    ``chunks`` programs a row: 1 runs the whole selection in one launch, a program a row
+    (grid (T,)); more split each row into that many chunks and run four histogram passes (grid
+    (T, chunks) each, per-row histograms through integer atomics into a zeroed ``[T, 4, 256]``
+    workspace; later passes skip their work when an earlier one settled the threshold) and one
+    write launch. ``block`` candidates are read a tile (a power of two >= 8).
+    """
+    _check_select(scores, k, page_table, req_ids, page_size)
+    out, _ = _launch_select(scores, k, page_table, req_ids, page_size, None, chunks=chunks, block=block,
+                            num_warps=num_warps)  # fmt: skip
+    return out
+
+
+def topk_select_remap_triton(
+    scores: torch.Tensor,
+    k: int,
+    dcp_size: int,
+    rank: int,
+    interleave: int = 1,
+    page_table: torch.Tensor | None = None,
+    req_ids: torch.Tensor | None = None,
+    page_size: int = 1,
+    *,
+    chunks: int | None = None,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton top-k fused with the DCP remap (see module docstring): the launches of
+    :func:`topk_select_triton`, the write keeping only owned slots as local rows. No host sync."""
+    _check_select(scores, k, page_table, req_ids, page_size, "topk_select_remap")
+    check_remap_args(dcp_size, rank, interleave, "topk_select_remap")
+    return _launch_select(scores, k, page_table, req_ids, page_size, (dcp_size, rank, interleave),
+                          chunks=chunks, block=block, num_warps=num_warps)  # fmt: skip
