@@ -277,7 +277,8 @@ C10D = torch.ops._c10d_functional
 
 
 # =========================================================================== the lightning indexer
-# (this section: index_scores, topk_select, topk_select_remap; contracts in dsa_dcp/kernels/indexer.py
+# (this section: index_scores, topk_select, topk_select_remap; contracts in dsa_dcp/kernels/index_scores.py,
+# dsa_dcp/kernels/topk_select.py
 # and docs/ops.md. Built from what the model computes: q after rope [T, Hi, Di], the scaled fp32
 # head weights [T, Hi], its index cache and the step's page_table, req_ids, positions.)
 
@@ -367,9 +368,7 @@ TOPK_SELECT_REMAP = torch.ops.dsa_dcp.topk_select_remap.default
 
 # --------------------------------------------------------------------------- the sharded index cache
 # (index_cache="sharded": each rank scores the candidates it owns; the group agrees on the top-k
-# through one all-gather of every rank's best k. Contracts in dsa_dcp/kernels/indexer.py.)
-
-from dsa_dcp import kernels as _indexer  # noqa: E402
+# through one all-gather of every rank's best k. Contracts in dsa_dcp/kernels/topk_agree.py.)
 
 
 @torch.library.custom_op("dsa_dcp::index_scores_sharded", mutates_args=())
@@ -378,7 +377,7 @@ def index_scores_sharded(q: Tensor, w: Tensor, index_cache: Tensor, key_scale: T
                          interleave: int) -> Tensor:
     """``index_scores`` over a rank's shard of the index cache: the candidates ``rank`` owns, read at
     their local rows; ``-inf`` for every other candidate."""
-    return _indexer.index_scores_reference(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size,
+    return kernels.index_scores_reference(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size,
                                            shard=(dcp_size, rank, interleave))
 
 
@@ -386,7 +385,7 @@ def index_scores_sharded(q: Tensor, w: Tensor, index_cache: Tensor, key_scale: T
 def _index_scores_sharded_cuda(q: Tensor, w: Tensor, index_cache: Tensor, key_scale: Tensor | None,
                                page_table: Tensor, req_ids: Tensor, positions: Tensor, page_size: int,
                                dcp_size: int, rank: int, interleave: int) -> Tensor:
-    return _indexer.index_scores_triton(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size,
+    return kernels.index_scores_triton(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size,
                                         shard=(dcp_size, rank, interleave))
 
 
@@ -403,12 +402,12 @@ def _index_scores_sharded_fake(q: Tensor, w: Tensor, index_cache: Tensor, key_sc
 @torch.library.custom_op("dsa_dcp::topk_candidates", mutates_args=())
 def topk_candidates(scores: Tensor, k: int) -> Tensor:
     """This rank's best ``k`` candidates of each row as ``[T, k, 2]`` int32 (score bits, position)."""
-    return _indexer.topk_candidates_reference(scores, k)
+    return kernels.topk_candidates_reference(scores, k)
 
 
 @topk_candidates.register_kernel("cuda")
 def _topk_candidates_cuda(scores: Tensor, k: int) -> Tensor:
-    return _indexer.topk_candidates_triton(scores, k)
+    return kernels.topk_candidates_triton(scores, k)
 
 
 @topk_candidates.register_fake
@@ -429,7 +428,7 @@ def _check_agree_fake(gathered: Tensor, page_table: Tensor, req_ids: Tensor, k: 
 @torch.library.custom_op("dsa_dcp::topk_agree", mutates_args=())
 def topk_agree(gathered: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int, dcp_size: int) -> Tensor:
     """The group's top-k (``topk_select``'s slots) from every rank's gathered ``topk_candidates``."""
-    return _indexer.topk_agree_reference(gathered, page_table, req_ids, page_size, k, dcp_size)
+    return kernels.topk_agree_reference(gathered, page_table, req_ids, page_size, k, dcp_size)
 
 
 @topk_agree.register_fake
@@ -443,7 +442,7 @@ def _topk_agree_fake(gathered: Tensor, page_table: Tensor, req_ids: Tensor, page
 def topk_agree_remap(gathered: Tensor, page_table: Tensor, req_ids: Tensor, page_size: int, k: int, dcp_size: int,
                      rank: int, interleave: int) -> tuple[Tensor, Tensor]:
     """``topk_remap(topk_agree(...), dcp_size, rank, interleave)`` in one op."""
-    return _indexer.topk_agree_remap_reference(gathered, page_table, req_ids, page_size, k, dcp_size, rank, interleave)
+    return kernels.topk_agree_remap_reference(gathered, page_table, req_ids, page_size, k, dcp_size, rank, interleave)
 
 
 @topk_agree_remap.register_fake
