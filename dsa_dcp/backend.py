@@ -30,7 +30,7 @@ from dsa_dcp.passes.kv_writes import kv_cache_inputs
 from dsa_dcp.position_cache import PositionShardedCache
 from dsa_dcp.report import CompileReport, forget_last_report, last_report, process_group_note, set_last_report, \
     snapshot
-from dsa_dcp.validate import DCPValidationError, host_collective_problems, validate
+from dsa_dcp.validate import DCPValidationError, validate
 
 log = logging.getLogger("dsa_dcp.backend")
 
@@ -145,9 +145,6 @@ def dsa_dcp_backend(
         notes.append(recompiled)
     for graph_pass in pipeline.rewrite:
         report.passes.append(graph_pass(gm, ctx, plans[graph_pass]))
-    problems = host_collective_problems(gm, ctx)  # what the rewrite emitted, for groups that cannot run it
-    if problems:
-        raise DCPValidationError(problems)
     for note in notes:
         log.warning("dsa_dcp: %s", note)
         warnings.warn(note, DCPCompileWarning, stacklevel=2)

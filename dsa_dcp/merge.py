@@ -96,6 +96,7 @@ class MergeStrategy:
     sent_bytes: Callable[[int, int, int, int, int], int]
     symmetric_memory: bool = False
     summary: str = ""
+    all_gathers: bool = False  # it all-gathers (a gloo group cannot do that for CUDA tensors)
 
 
 def _wait(emit, node):
@@ -137,7 +138,7 @@ def _packed_bytes(b: int, h: int, d: int, elem: int) -> int:
 
 MERGES: dict[str, MergeStrategy] = {s.name: s for s in (
     MergeStrategy(
-        "ag", head_sharded=False, collectives=1, emit=_emit_all_gather,
+        "ag", head_sharded=False, collectives=1, emit=_emit_all_gather, all_gathers=True,
         sent_bytes=lambda b, h, d, n, e: _packed_bytes(b, h, d, e) * (n - 1),
         summary="all-gather (out, lse), combine: every rank gets all H heads"),
     MergeStrategy(
@@ -145,7 +146,7 @@ MERGES: dict[str, MergeStrategy] = {s.name: s for s in (
         sent_bytes=lambda b, h, d, n, e: _packed_bytes(b, h, d, e) * (n - 1) // n,
         summary="all-to-all of (out, lse) by head group, combine: rank j gets head group j"),
     MergeStrategy(
-        "ag_rs", head_sharded=True, collectives=2, emit=_emit_ag_rs,
+        "ag_rs", head_sharded=True, collectives=2, emit=_emit_ag_rs, all_gathers=True,
         sent_bytes=lambda b, h, d, n, e: b * h * 4 * (n - 1) + b * h * d * 4 * (n - 1) // n,
         summary="all-gather the LSE, rescale, reduce-scatter the output over head groups"),
     MergeStrategy(
@@ -154,3 +155,16 @@ MERGES: dict[str, MergeStrategy] = {s.name: s for s in (
         summary="pack, exchange and combine in one kernel per layer (symmetric memory on CUDA; the "
                 "composed a2a elsewhere)"),
 )}
+
+
+def host_gather_problem(gathers: list[str]) -> str | None:
+    """The refusal of a CUDA step over a gloo group that would all-gather (``gathers``: what would:
+    layers whose merge ``all_gathers``, the sharded index cache's agreement, ``debug_checks``).
+    gloo's all-gather of CUDA tensors ends the process with a segmentation fault (torch 2.11, on an
+    H200: the functional ``all_gather_into_tensor`` of a float32 tensor, two ranks); ``a2a``'s
+    all-to-all and all-reduce run there."""
+    if not gathers:
+        return None
+    return (f"this step all-gathers CUDA tensors over a gloo group ({', '.join(gathers)}), and gloo's all-gather "
+            f"of CUDA tensors crashes the process; use merge='a2a' (with index_cache='replicated'), or an NCCL group "
+            f"(one GPU per rank)")

@@ -26,8 +26,9 @@ The rules (``docs/validation.md`` lists each with its message):
   cuda_graphs      CUDA graphs are not requested for a step that runs on the CPU
   graph_capture    a CUDA step of a group whose collectives a CUDA graph cannot capture (gloo) is
                    compiled with ``cuda_graphs=False``
-  host_gather      after the rewrite: no all-gather of CUDA tensors over a gloo group (gloo's
-                   all-gather of CUDA tensors crashes the process); ``host_collective_problems``
+  host_gather      no all-gather of CUDA tensors over a gloo group (gloo's all-gather of CUDA
+                   tensors crashes the process): from the rewrite passes' plans, which say what
+                   they will all-gather, and ``merge.host_gather_problem``
   debug_checks     run-time debug checks only with the FX lowering and without CUDA graphs
 Warnings (shown once per compilation): a layer whose epilogue a head-sharded merge cannot shard
 merges with ``ag``; a DCP compilation of a graph with no sparse attention and no KV cache.
@@ -45,7 +46,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from dsa_dcp.lowering import runs_on_cuda
-from dsa_dcp.ops import C10D
+from dsa_dcp.merge import host_gather_problem
 from dsa_dcp.passes import Pipeline
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.graph import sparse_attention_nodes
@@ -101,6 +102,11 @@ def validate(gm: fx.GraphModule, ctx: CompileContext, pipeline: Pipeline
         plan = plans[graph_pass] = graph_pass.check(gm, ctx)
         problems += plan.problems
         warnings += plan.warnings
+    if on_cuda and ctx.group_name is not None and _group_backend(ctx.group_name) == "gloo":
+        gathers = [g for plan in plans.values() for g in plan.all_gathers]
+        problem = host_gather_problem(gathers + (["debug_checks' step check"] if opts.debug_checks else []))
+        if problem:
+            problems.append(problem)
     return plans, grouped(problems), grouped(warnings)
 
 
@@ -124,24 +130,6 @@ def graph_capture_problem(backend: str) -> str | None:
     return (f"the DCP group's backend is {backend!r}: its collectives on CUDA tensors go through the host, "
             f"and a CUDA graph cannot capture them; compile with cuda_graphs=False (the step then runs "
             f"without graphs), or use an NCCL group (one GPU per rank) for CUDA graphs")
-
-
-def host_collective_problems(gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
-    """Run on the rewritten graph: the collectives its gloo group cannot run on CUDA tensors.
-    gloo's all-gather of CUDA tensors ends the process with a segmentation fault (torch 2.11, on an
-    H200: the functional ``all_gather_into_tensor`` of a float32 tensor, two ranks), so a step that
-    would all-gather (``merge='ag'`` or ``'ag_rs'``, a layer merged with ``ag``, the sharded index
-    cache, ``debug_checks``) is refused before it runs; ``a2a``'s all-to-all and all-reduce run there."""
-    if ctx.group_name is None or not runs_on_cuda(ctx.example_inputs) or _group_backend(ctx.group_name) != "gloo":
-        return []
-    gathers = [n.name for n in gm.graph.nodes if n.target is C10D.all_gather_into_tensor.default]
-    if ctx.options.debug_checks:
-        gathers.append("debug_checks' step check")
-    if not gathers:
-        return []
-    return [f"this step all-gathers CUDA tensors over a gloo group ({', '.join(gathers)}), and gloo's all-gather "
-            f"of CUDA tensors crashes the process; use merge='a2a' (with index_cache='replicated'), or an NCCL group "
-            f"(one GPU per rank)"]
 
 
 # --------------------------------------------------------------------------- one message per rule

@@ -43,6 +43,7 @@ class Plan:
 
     problems: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    all_gathers: list[str] = dataclasses.field(default_factory=list)  # what the rewrite will all-gather
 
 
 @dataclasses.dataclass

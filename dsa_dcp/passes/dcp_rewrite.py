@@ -68,6 +68,7 @@ class DCPRewrite(DCPPass):
             plan.problems.append("dcp_size > 1 needs a process group to merge over")
         for attn in sparse_attention_nodes(gm.graph):
             self._plan_layer(attn, ctx, plan)
+        plan.all_gathers = [layer.attn.name for layer in plan.layers if layer.merge.all_gathers]
         return plan
 
     def _plan_layer(self, attn: fx.Node, ctx: CompileContext, plan: RewritePlan) -> None:

@@ -100,6 +100,7 @@ class IndexCache(DCPPass):
                         f"{where(user)}")
         if mode == "sharded" and not plan.caches and not plan.problems:
             plan.problems.append(_nothing_to_shard(gm, ctx))
+        plan.all_gathers = [f"{scores.name}'s top-k agreement" for scores, _ in plan.indexers]
         return plan
 
     @staticmethod
