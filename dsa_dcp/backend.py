@@ -28,6 +28,7 @@ from dsa_dcp.passes.base import CompileContext
 from dsa_dcp.passes.graph import graph_summary, sparse_attention_nodes
 from dsa_dcp.passes.kv_writes import kv_cache_inputs
 from dsa_dcp.position_cache import PositionShardedCache
+from dsa_dcp.passes.errors import DCPRewriteError
 from dsa_dcp.report import CompileReport, forget_last_report, last_report, process_group_note, set_last_report, \
     snapshot
 from dsa_dcp.validate import DCPValidationError, validate
@@ -145,6 +146,11 @@ def dsa_dcp_backend(
         notes.append(recompiled)
     for graph_pass in pipeline.rewrite:
         report.passes.append(graph_pass(gm, ctx, plans[graph_pass]))
+    for graph_pass in pipeline.finish:  # each plans on the rewritten graph; none refuses
+        plan = graph_pass.check(gm, ctx)
+        if plan.problems:
+            raise DCPRewriteError(f"{graph_pass.name} cannot refuse a graph, but found: {plan.problems}")
+        report.passes.append(graph_pass(gm, ctx, plan))
     for note in notes:
         log.warning("dsa_dcp: %s", note)
         warnings.warn(note, DCPCompileWarning, stacklevel=2)

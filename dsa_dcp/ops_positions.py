@@ -230,5 +230,5 @@ for _op, _impl in ((SPARSE_MLA_POSITIONS, sparse_mla_positions_reference),
                                                     lse_base="e", empty_lse="-inf", cache_layout="positions")
 
 # The caches of these ops are position caches: ``args[2]`` is their list, localized by
-# ``passes/recognize_attention.py`` (not by ``localize_kv_writes``, which owns slot caches).
+# ``passes/recognize_attention.py``; their writes by ``localize_kv_writes`` with the slot caches'.
 POSITION_ATTENTION_OPS = (SPARSE_MLA_POSITIONS, SPARSE_MHA_POSITIONS)

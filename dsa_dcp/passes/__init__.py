@@ -1,11 +1,18 @@
 """The pass list, in one place. Each pass is one module of this package.
 
-A pipeline has two phases. ``normalize`` passes bring the graph to the op vocabulary and change
-no value beyond floating-point reassociation and the indexer's documented tie rule: one spelling of
-every ``dsa_dcp`` op call, attention and caches as models written elsewhere spell them, the model's
-indexer as ``index_scores`` + ``topk_select``. Each is checked, then run, in turn, so the rewrite
-passes' checks see only the vocabulary. ``rewrite`` passes are all checked before any of them runs
-(``DCPPass.check`` returns the plan ``run`` carries out), so a refused graph is left untouched.
+Every pass has one shape: ``check(gm, ctx)`` returns its ``Plan`` (problems included), ``run(gm,
+ctx, plan)`` carries the plan out. A pipeline has three phases, which differ in when the checks run:
+
+- ``normalize`` passes bring the graph to the op vocabulary; they change no value beyond
+  floating-point reassociation and the indexer's documented tie rule, and nothing they do depends
+  on the rank: one spelling of every ``dsa_dcp`` op call, attention and caches as models written
+  elsewhere spell them, the model's indexer as ``index_scores`` + ``topk_select``. Each is checked,
+  then run, in turn, so the validation below reads only the vocabulary.
+- ``rewrite`` passes make the program DCP: they are all checked in the one validation phase
+  (``dsa_dcp.validate``) before any of them runs, so a refused graph is left untouched.
+- ``finish`` passes never refuse; each plans on the rewritten graph (``check``), then runs: remap
+  sharing and fusion, which remove work the rewrite's per-layer form repeats, and the run-time
+  checks inserted where the step's slot ids enter it.
 """
 
 from __future__ import annotations
@@ -30,12 +37,13 @@ from dsa_dcp.position_cache import PositionShardedCache
 class Pipeline:
     normalize: list[DCPPass]
     rewrite: list[DCPPass]
+    finish: list[DCPPass] = dataclasses.field(default_factory=list)
 
     def __iter__(self):
-        return iter(self.normalize + self.rewrite)
+        return iter(self.normalize + self.rewrite + self.finish)
 
     def __len__(self) -> int:
-        return len(self.normalize) + len(self.rewrite)
+        return len(self.normalize) + len(self.rewrite) + len(self.finish)
 
 
 def build_pipeline(ctx: CompileContext) -> Pipeline:
@@ -47,12 +55,11 @@ def build_pipeline(ctx: CompileContext) -> Pipeline:
         if any(isinstance(x, PositionShardedCache) for x in ctx.example_inputs) else []
     if ctx.dcp_size == 1:
         return Pipeline(recognize + indexer, [])
+    normalize: list[DCPPass] = [Canonicalize()] + recognize + indexer
     rewrite: list[DCPPass] = [IndexCache(), LocalizeKVWrites(), DCPRewrite()]
-    if ctx.options.share_remaps:
-        rewrite.append(ShareRemaps())
-    normalize: list[DCPPass] = [Canonicalize()] + recognize
-    rewrite.append(FuseRemaps())
-    rewrite.append(SlotBounds())  # last: it checks the global slot ids the other passes' nodes read
+    finish: list[DCPPass] = [ShareRemaps()] if ctx.options.share_remaps else []
+    finish.append(FuseRemaps())
+    finish.append(SlotBounds())  # after the others: it checks the global slot ids their nodes read
     if ctx.options.debug_checks:
-        rewrite.append(StepInputs())  # inserts at the graph's start: before every collective
-    return Pipeline(normalize + indexer, rewrite)
+        finish.append(StepInputs())  # inserts at the graph's start: before every collective
+    return Pipeline(normalize, rewrite, finish)

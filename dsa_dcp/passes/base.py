@@ -36,7 +36,7 @@ class CompileContext:
         return self.options.dcp_size
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Plan:
     """What a pass's ``check`` found: the problems that refuse the graph, the warnings to show, and
     (in subclasses) everything ``run`` needs, so nothing is checked or planned twice."""

@@ -10,6 +10,8 @@ value and cannot refuse a graph; it runs first, before validation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
@@ -46,12 +48,18 @@ def positional(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple | 
     return tuple(out) if not kwargs else None
 
 
+@dataclasses.dataclass
+class CanonicalPlan(Plan):
+    calls: list[tuple[fx.Node, torch._ops.OpOverload, tuple]] = dataclasses.field(default_factory=list)
+
+
 class Canonicalize(DCPPass):
     name = "canonicalize"
 
-    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: Plan) -> dict:
+    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> CanonicalPlan:
+        """The calls to respell (it never refuses: a call that does not bind is left for the op to report)."""
         namespaces = vocabulary_namespaces()
-        changed = 0
+        plan = CanonicalPlan()
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -59,8 +67,11 @@ class Canonicalize(DCPPass):
             if op is None or (op is node.target and not node.kwargs):
                 continue
             args = positional(op, node.args, node.kwargs)
-            if args is None:
-                continue  # does not bind: leave it for the op itself to report when it runs
+            if args is not None:
+                plan.calls.append((node, op, args))
+        return plan
+
+    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: CanonicalPlan) -> dict:
+        for node, op, args in plan.calls:
             node.target, node.args, node.kwargs = op, args, {}
-            changed += 1
-        return {"calls_canonicalized": changed}
+        return {"calls_canonicalized": len(plan.calls)}

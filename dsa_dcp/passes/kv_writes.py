@@ -1,4 +1,5 @@
-"""Localize KV writes: each rank stores only the tokens it owns, at their local rows.
+"""Localize KV writes: each rank stores only the tokens it owns, at their local rows — in slot
+caches and in position caches alike (the one pass that makes writes rank-dependent).
 
 Expects: dynamo's graph whose KV caches are graph inputs allocated by
 ``dsa_dcp.allocate_kv_cache`` for this DCP size. A KV cache is every input with a recorded KV layout
@@ -14,6 +15,12 @@ shards those reads) and has its writes localized here. ``check`` refuses a cache
 wrong size or unknown layout, and any other write or read of a KV cache it cannot localize;
 ``cache_layout_problems`` is the part of it that holds at every ``dcp_size`` (a cache allocated for
 a DCP group and compiled without its options is refused too).
+
+Position caches (``PositionShardedCache`` inputs: models that keep KV per request) are written with
+global positions, ``cache[:b, start:end] = rows`` or ``cache.index_copy_(dim, positions, rows)``
+(``position_caches.match_write``; ``recognize_sparse_attention`` refused any other use). Each
+becomes ``position_store(local_positions(cache), localize_slots(positions, N, r, I), rows, dim)``,
+one ``localize_slots`` per positions tensor (or ``start:end`` range).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
 from dsa_dcp.passes.fx import Emitter, alias_base, placeholder_values
 from dsa_dcp.passes.graph import sparse_attention_nodes
+from dsa_dcp.passes.position_caches import PositionWrite, local_views, localize_writes, match_write, position_caches
 from dsa_dcp.position_cache import position_layout
 from dsa_dcp.slots import localize_slots
 
@@ -107,6 +115,7 @@ class WritePlan(Plan):
     caches: list[fx.Node] = dataclasses.field(default_factory=list)
     # (write node, cache, slots, rows) in program order
     writes: list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]] = dataclasses.field(default_factory=list)
+    position_writes: list[PositionWrite] = dataclasses.field(default_factory=list)
 
 
 class LocalizeKVWrites(DCPPass):
@@ -134,6 +143,9 @@ class LocalizeKVWrites(DCPPass):
                 )
         plan.caches = caches
         plan.writes.sort(key=lambda w: position[w[0]])
+        for cache, layout in position_caches(gm, ctx.example_inputs).items():
+            plan.position_writes += [w for w in (match_write(u, cache, layout)[0] for u in cache.users) if w]
+        plan.position_writes.sort(key=lambda w: position[w.node])
         return plan
 
     def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: WritePlan) -> dict:
@@ -150,8 +162,11 @@ class LocalizeKVWrites(DCPPass):
                 emit(KV_STORE, base, localized[slots], rows)
             user.replace_all_uses_with(base)  # in-place writes return their target
             graph.erase_node(user)
+        positions = localize_writes(gm, plan.position_writes, local_views(gm, ctx.example_inputs), n, rank,
+                                    interleave) if plan.position_writes else 0
         return {"kv_caches": len(plan.caches), "kv_writes_localized": len(plan.writes),
-                "slot_localizations": len(localized)}
+                "slot_localizations": len(localized), "position_writes_localized": len(plan.position_writes),
+                "position_localizations": positions}
 
 
 def _is_attention_read(user: fx.Node, base: fx.Node) -> bool:

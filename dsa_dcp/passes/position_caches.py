@@ -7,7 +7,8 @@ model writes it with global positions, in the forms model authors use:
 - ``cache[:b, start:end] = rows`` (DeepSeek's published code; ``start``/``end`` ints or SymInts),
 - ``cache.index_copy_(dim, positions, rows)`` (transformers' static cache).
 
-Each becomes ``position_store(local_positions(cache), localize_slots(positions, N, r, I), rows, dim)``:
+``match_write`` finds them (the recognizing pass refuses any other write); ``localize_kv_writes``
+(``kv_writes.py``, the rewrite phase) rewrites each: it becomes ``position_store(local_positions(cache), localize_slots(positions, N, r, I), rows, dim)``:
 the rank stores the positions it owns at their local positions and skips the others. One
 ``localize_slots`` serves every write through the same positions (all layers of a step). A graph
 that only writes a cache (a prefill that attends over the chunk in hand) is localized the same
@@ -147,6 +148,18 @@ def insert_local_views(gm: fx.GraphModule, caches, example_inputs: tuple) -> dic
             node.meta["example_value"] = mode.from_tensor(inner) if mode is not None else inner
             local[cache] = node
     return local
+
+
+def local_views(gm: fx.GraphModule, example_inputs: tuple) -> dict[fx.Node, fx.Node]:
+    """Each position cache's ``local_positions(cache)`` node (``insert_local_views`` made them; made here
+    for a cache that has none, as in a graph that only writes it)."""
+    caches = position_caches(gm, example_inputs)
+    found = {c: next((u for u in c.users if u.op == "call_function" and u.target is local_positions), None)
+             for c in caches}
+    missing = [c for c, view in found.items() if view is None]
+    if missing:
+        found |= insert_local_views(gm, missing, example_inputs)
+    return found
 
 
 def stray_uses(cache: fx.Node, allowed: set[fx.Node]) -> list[str]:

@@ -10,8 +10,9 @@ Leaves, for each: ``out, lse = sparse_{mla,mha}_positions(q_nope, q_pe, [local c
 (the latent form: ``sparse_mla_positions`` of the absorbed query, ``W_UK`` folded into it, then
 ``W_UV`` on its output) over the flat slots ``b * T + topk`` (``-1`` where the model's own mask
 excludes the position), ``out`` reshaped back to the layout the model's code continues with; the
-dense scores, the ``[B, S, T]`` index mask and the cache reads are gone. Every write into a
-position cache is localized (``position_caches.py``). Layers that pass one top-k along (GLM's
+dense scores, the ``[B, S, T]`` index mask and the cache reads are gone. The writes into position
+caches are checked here (any other use is refused) and left for ``localize_kv_writes``: this pass,
+a normalize pass, changes no value and does not depend on the rank. Layers that pass one top-k along (GLM's
 shared indexer) get one slots tensor, so ``share_remaps`` later keeps one remap for them. Then the
 DCP passes (``dcp_rewrite``, ``share_remaps``, ``fuse_remaps``) treat these ops like ``sparse_mla``.
 
@@ -33,8 +34,8 @@ from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
 from dsa_dcp.passes.match.attention import (SDPA, SOFTMAX, AttentionMatch, PositionCaches, integer_base,
                                             match_sdpa, match_softmax_attention)
-from dsa_dcp.passes.position_caches import (PositionWrite, insert_local_views, layout_problems, localize_writes,
-                                            match_write, position_caches, stray_uses)
+from dsa_dcp.passes.position_caches import (PositionWrite, insert_local_views, layout_problems, match_write,
+                                            position_caches, stray_uses)
 from dsa_dcp.position_cache import PositionLayout
 
 def _size(emit: F.Emitter, node: fx.Node, dim: int):
@@ -68,7 +69,7 @@ class RecognizeSparseAttention(DCPPass):
         caches = PositionCaches(layouts)
         problems, declined, matches, writes = [], [], [], []
         if not layouts:
-            return RecognitionPlan(problems, [], layouts, matches, writes)
+            return RecognitionPlan(problems=problems, layouts=layouts, matches=matches, writes=writes)
         if ctx.dcp_size > 1:  # at 1, a cache allocated for a group is refused by validation (kv_writes)
             for cache, layout in layouts.items():
                 problems += layout_problems(cache, layout, ctx.dcp_size, ctx.options.interleave)
@@ -99,11 +100,11 @@ class RecognizeSparseAttention(DCPPass):
                     allowed.add(user)
             declined += stray_uses(cache, allowed | consumed)
         if ctx.dcp_size == 1:  # the whole cache: the model's own writes and reads stay valid
-            return RecognitionPlan(problems, [], layouts, matches, [], declined=declined)
+            return RecognitionPlan(problems=problems, layouts=layouts, matches=matches, declined=declined)
         problems += declined
         if ctx.options.debug_checks and matches:
             problems.append("debug_checks are not available yet for attention over position caches")
-        return RecognitionPlan(problems, [], layouts, matches, writes)
+        return RecognitionPlan(problems=problems, layouts=layouts, matches=matches, writes=writes)
 
     @staticmethod
     def _mask_problems(match: AttentionMatch) -> list[str]:
@@ -130,16 +131,15 @@ class RecognizeSparseAttention(DCPPass):
 
     def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: RecognitionPlan) -> dict:
         if not plan.layouts:
-            return {"position_caches": 0, "attention_recognized": 0, "writes_localized": 0, "declined": []}
+            return {"position_caches": 0, "attention_recognized": 0, "position_writes": 0, "declined": []}
         local = insert_local_views(gm, plan.layouts, ctx.example_inputs)
         slots_cache: dict[tuple, fx.Node] = {}
         for match in plan.matches:
             self._rewrite(gm, match, local, slots_cache)
-        localizations = localize_writes(gm, plan.writes, local, ctx.dcp_size, ctx.rank, ctx.options.interleave)
         self._erase_dead(gm, self._consumed(gm, plan.matches))
         return {"position_caches": len(plan.layouts), "attention_recognized": len(plan.matches),
-                "forms": sorted({m.kind for m in plan.matches}), "writes_localized": len(plan.writes),
-                "position_localizations": localizations, "slots_tensors": len(slots_cache), "declined": plan.declined}
+                "forms": sorted({m.kind for m in plan.matches}), "position_writes": len(plan.writes),
+                "slots_tensors": len(slots_cache), "declined": plan.declined}
 
     @staticmethod
     def _slots(emit: F.Emitter, match: AttentionMatch, slots_cache: dict) -> fx.Node:

@@ -21,10 +21,9 @@ import dataclasses
 import networkx as nx
 import torch.fx as fx
 
-from dsa_dcp.ops import SPARSE_ATTENTION_OPS
+from dsa_dcp.ops import SPARSE_ATTENTION_OPS, TOPK_REMAP
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan, log
 from dsa_dcp.passes.dataflow import alias_classes, to_networkx
-from dsa_dcp.ops import TOPK_REMAP
 from dsa_dcp.passes.fx import getitem_users
 from dsa_dcp.passes.values import ValueNumbering
 
@@ -38,10 +37,18 @@ class _Remap:
     layers: list[int | None]
 
 
+@dataclasses.dataclass
+class SharePlan(Plan):
+    groups: list[list[_Remap]] = dataclasses.field(default_factory=list)  # the first of each is kept
+    refusals: list[str] = dataclasses.field(default_factory=list)
+    numbering: ValueNumbering | None = None  # what the copies erased with a dropped remap are
+
+
 class ShareRemaps(DCPPass):
     name = "share_remaps"
 
-    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: Plan) -> dict:
+    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> SharePlan:
+        """Which remaps compute the same thing (module docstring), decided before anything is rewritten."""
         g = to_networkx(gm.graph)
         classes = alias_classes(gm, ctx.example_inputs)
         numbering = ValueNumbering(gm, g, classes, ctx.example_inputs)
@@ -49,7 +56,7 @@ class ShareRemaps(DCPPass):
                   if n.op == "call_function" and n.target is TOPK_REMAP]
         groups: dict[tuple, list[_Remap]] = {}
         refusals = []
-        for i, remap in enumerate(remaps):  # decide everything before rewriting anything
+        for i, remap in enumerate(remaps):
             first = groups.get(remap.key, [None])[0]
             if first is not None and self._dominates(g, first.node, remap.node):
                 groups[remap.key].append(remap)
@@ -59,16 +66,19 @@ class ShareRemaps(DCPPass):
                 log.debug("share_remaps: %s", reason)
                 refusals.append(reason)
             groups.setdefault(remap.key, [remap])
-        for members in groups.values():
+        return SharePlan(groups=list(groups.values()), refusals=refusals, numbering=numbering)
+
+    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: SharePlan) -> dict:
+        for members in plan.groups:
             for dropped in members[1:]:
-                self._share(gm, numbering, members[0].node, dropped.node)
+                self._share(gm, plan.numbering, members[0].node, dropped.node)
         return {
-            "remaps_before": len(remaps),
-            "remaps_after": len(groups),
-            "groups": [[a for m in members for a in m.attention] for members in groups.values()],
-            "layer_groups": [[l for m in members for l in m.layers] for members in groups.values()],
-            "sources": [members[0].node.args[0].name for members in groups.values()],
-            "refusals": refusals,
+            "remaps_before": sum(len(members) for members in plan.groups),
+            "remaps_after": len(plan.groups),
+            "groups": [[a for m in members for a in m.attention] for members in plan.groups],
+            "layer_groups": [[l for m in members for l in m.layers] for members in plan.groups],
+            "sources": [members[0].node.args[0].name for members in plan.groups],
+            "refusals": plan.refusals,
         }
 
     @staticmethod

@@ -6,7 +6,7 @@ its owner may write it into a spare row (when ``N * I`` does not divide ``S``) a
 or fail alone while its peers wait in the next collective. This pass makes the program raise the
 single-rank model's ``IndexError`` on every rank instead, at the same point of the step.
 
-Expects: the graph the other rewrite passes leave (it runs last, so their plans stay valid).
+Expects: the graph the rewrite leaves (a finishing pass: it plans on that graph, after the rewrite).
 Leaves, before the first use of each global slot tensor that enters the step:
 
 - the slots of the KV writes: ``localize_slots(check_slots(slots, S, ...), N, r, I)``;
@@ -26,6 +26,7 @@ step comes from the page table (checked) or from the model's own gather of a rep
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -35,8 +36,7 @@ from dsa_dcp.kv_cache import is_index_cache, kv_layout
 from dsa_dcp.ops import CHECK_PAGES, CHECK_SLOTS, INDEX_SCORES, INDEX_SCORES_SHARDED, KV_STORE, TOPK_AGREE, \
     TOPK_AGREE_REMAP, TOPK_REMAP, TOPK_SELECT, TOPK_SELECT_REMAP
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
-from dsa_dcp.passes.fx import mutated_args
-from dsa_dcp.passes.fx import Emitter, alias_base, placeholder_values
+from dsa_dcp.passes.fx import Emitter, alias_base, mutated_args, placeholder_values
 from dsa_dcp.slots import localize_slots
 
 # op -> argument positions of (page_table, req_ids, page_size)
@@ -56,18 +56,35 @@ def pool_size(value: object) -> int | None:
     return value.shape[0] if is_index_cache(value) else None
 
 
+@dataclasses.dataclass
+class Guard:
+    """One check to insert: ``target(tensor, *extra)`` before the first of ``readers``, which then
+    read its result at argument ``position`` (an int, or a function of the reader)."""
+
+    tensor: fx.Node
+    readers: list[fx.Node]
+    position: int | Callable[[fx.Node], int]
+    target: Any
+    extra: tuple
+
+
+@dataclasses.dataclass
+class SlotPlan(Plan):
+    slot_checks: list[Guard] = dataclasses.field(default_factory=list)
+    page_checks: list[Guard] = dataclasses.field(default_factory=list)
+
+
 class SlotBounds(DCPPass):
     name = "slot_bounds"
 
-    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> Plan:
-        return Plan()  # nothing to refuse: the checks happen when the step runs
-
-    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: Plan) -> dict:
+    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> SlotPlan:
+        """The checks to insert (nothing to refuse: the checks happen when the step runs)."""
         graph = gm.graph
+        plan = SlotPlan()
         values = placeholder_values(gm, ctx.example_inputs)
         pools = [s for s in (pool_size(v) for v in values.values()) if s is not None]
         if not pools:
-            return {"slot_checks": 0, "page_checks": 0}
+            return plan
         smallest = min(pools)
         # a tensor the step writes in place (a top-k edited between layers) is checked before each
         # reader, so no reader sees a copy taken before the edit; any other is checked once
@@ -77,22 +94,12 @@ class SlotBounds(DCPPass):
             size = pool_size(values.get(alias_base(cache)))
             return size if size is not None else smallest
 
-        def guard(readers: dict[tuple, list[fx.Node]], position: int | Callable[[fx.Node], int], target: Any,
-                  extra: Callable[[tuple, list[fx.Node]], tuple]) -> int:
-            """Put ``target(tensor, *extra(readers))`` before the first reader of each tensor (each
-            reader when the tensor is written in place) and make the readers read its result."""
-            count = 0
-            for key, users in readers.items():
-                tensor = key[0]
-                for batch in ([[u] for u in users] if alias_base(tensor) in written else [users]):
-                    emit = Emitter(graph, like=batch[0])
-                    with graph.inserting_before(batch[0]):
-                        checked = emit(target, tensor, *extra(key, batch))
-                    for user in batch:
-                        pos = position if isinstance(position, int) else position(user)
-                        user.args = (*user.args[:pos], checked, *user.args[pos + 1:])
-                    count += 1
-            return count
+        def guards(readers: dict[tuple, list[fx.Node]], position: int | Callable[[fx.Node], int], target: Any,
+                   extra: Callable[[tuple, list[fx.Node]], tuple]) -> list[Guard]:
+            """A check of each tensor before its first reader (each reader when the tensor is written
+            in place), which the readers then read instead."""
+            return [Guard(key[0], batch, position, target, extra(key, batch)) for key, users in readers.items()
+                    for batch in ([[u] for u in users] if alias_base(key[0]) in written else [users])]
 
         def readers_of(select: Callable[[fx.Node], tuple | None]) -> dict[tuple, list[fx.Node]]:
             found: dict[tuple, list[fx.Node]] = {}
@@ -103,22 +110,33 @@ class SlotBounds(DCPPass):
             return found
 
         # the KV writes' slots (one localization per slots tensor, shared by the layers' writes)
-        slot_checks = guard(
+        plan.slot_checks = guards(
             readers_of(lambda n: (n.args[0],) if n.target is localize_slots and any(
                 u.target is KV_STORE for u in n.users) else None), 0, CHECK_SLOTS,  # not a position cache's
             lambda key, batch: (min((pool_of(u.args[0]) for loc in batch for u in loc.users if u.target is KV_STORE),
                                     default=smallest), "the step's write slots"))
         # the page tables the indexer ops read, with the request ids and page size they read them by
-        page_checks = guard(
+        plan.page_checks = guards(
             readers_of(lambda n: tuple(n.args[i] for i in PAGE_TABLE_ARGS[n.target]) if n.target in PAGE_TABLE_ARGS
                        else None),
             lambda user: PAGE_TABLE_ARGS[user.target][0], CHECK_PAGES, lambda key, batch: (key[1], key[2], smallest))
         # a top-k the step is given (one computed inside it comes from the checked page table)
-        slot_checks += guard(
+        plan.slot_checks += guards(
             readers_of(lambda n: (n.args[0],) if n.target is TOPK_REMAP and alias_base(n.args[0]).op == "placeholder"
                        else None), 0, CHECK_SLOTS,
             lambda key, batch: (_attended_pool(batch, pool_of, smallest), "the step's top-k input"))
-        return {"slot_checks": slot_checks, "page_checks": page_checks}
+        return plan
+
+    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: SlotPlan) -> dict:
+        graph = gm.graph
+        for guard in plan.slot_checks + plan.page_checks:
+            emit = Emitter(graph, like=guard.readers[0])
+            with graph.inserting_before(guard.readers[0]):
+                checked = emit(guard.target, guard.tensor, *guard.extra)
+            for user in guard.readers:
+                pos = guard.position if isinstance(guard.position, int) else guard.position(user)
+                user.args = (*user.args[:pos], checked, *user.args[pos + 1:])
+        return {"slot_checks": len(plan.slot_checks), "page_checks": len(plan.page_checks)}
 
 
 def _attended_pool(remaps: list[fx.Node], pool_of: Callable[[fx.Node], int], smallest: int) -> int:

@@ -17,14 +17,15 @@ inputs, which this check covered then). Each is named by where dynamo found it (
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
 from dsa_dcp.debug_checks import check_step_inputs
 from dsa_dcp.kv_cache import is_index_cache, kv_layout
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
-from dsa_dcp.passes.fx import mutated_args
-from dsa_dcp.passes.fx import alias_base, placeholder_values
+from dsa_dcp.passes.fx import alias_base, mutated_args, placeholder_values
 from dsa_dcp.position_cache import PositionShardedCache
 
 
@@ -54,17 +55,22 @@ def step_inputs(gm: fx.GraphModule, example_inputs: tuple) -> list[fx.Node]:
     return found
 
 
+@dataclasses.dataclass
+class StepInputsPlan(Plan):
+    inputs: list[fx.Node] = dataclasses.field(default_factory=list)
+
+
 class StepInputs(DCPPass):
     name = "step_inputs"
 
-    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> Plan:
-        return Plan()
+    def check(self, gm: fx.GraphModule, ctx: CompileContext) -> StepInputsPlan:
+        """The step inputs to compare (nothing to refuse: the check happens when the step runs)."""
+        return StepInputsPlan(inputs=step_inputs(gm, ctx.example_inputs))
 
-    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: Plan) -> dict:
-        inputs = step_inputs(gm, ctx.example_inputs)
+    def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: StepInputsPlan) -> dict:
         graph = gm.graph
         first = next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(first):
-            graph.call_function(check_step_inputs, (list(inputs), [input_name(n) for n in inputs], ctx.dcp_size,
-                                                    ctx.group_name))
-        return {"step_inputs_checked": [input_name(n) for n in inputs]}
+            graph.call_function(check_step_inputs, (list(plan.inputs), [input_name(n) for n in plan.inputs],
+                                                    ctx.dcp_size, ctx.group_name))
+        return {"step_inputs_checked": [input_name(n) for n in plan.inputs]}
