@@ -20,7 +20,7 @@ from dsa_dcp.entry import compile
 from dsa_dcp.kv_cache import allocate_index_cache, allocate_kv_cache
 from dsa_dcp.passes.errors import DCPRewriteError
 from dsa_dcp.validate import DCPValidationError
-from dsa_dcp import inspect  # a callable package: dsa_dcp.inspect(compiled)
+from dsa_dcp.inspection import inspect  # dsa_dcp.inspect(compiled); the tool is dsa_dcp.inspection
 from dsa_dcp import logs as _logs
 
 __version__ = "0.1.0"

@@ -119,7 +119,7 @@ def _timed(args: argparse.Namespace, name: str, run) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from dsa_dcp.entry import find_dcp_error
-    from dsa_dcp.inspect import inspect_target
+    from dsa_dcp.inspection import inspect_target
     from dsa_dcp.progress import Progress
 
     names = _config_names()

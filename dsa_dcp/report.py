@@ -4,7 +4,7 @@ A report is plain data: the options, this rank, each pass's result, the graph's 
 after, a summary, the warnings shown, and a copy of the final graph (its nodes carry their
 metadata, so the inspection tool analyses it without running it). It holds the lowered step only
 weakly: a report never keeps a compiled step, its CUDA graphs or their memory pool alive. The
-inspection tool (``dsa_dcp.inspect``) reads reports; the compiler never imports it.
+inspection tool (``dsa_dcp.inspection``, called as ``dsa_dcp.inspect``) reads reports; the compiler never imports it.
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ def test_set_logs_takes_dsa_dcp():
 
 _LOGGED_COMPILE = textwrap.dedent("""
     import torch, dsa_dcp
-    from dsa_dcp.inspect.targets import fake_group
+    from dsa_dcp.inspection.targets import fake_group
     from dsa_dcp.models import DSAModel, get_config
     from dsa_dcp.models.runner import decode_step_inputs
 

@@ -136,7 +136,7 @@ def test_a_top_k_that_differs_inside_a_compiled_step_is_caught_at_its_layer():
 def test_the_step_inputs_are_the_steps_arguments_not_its_weights_buffers_or_caches():
     """What the step-input check digests for DSAModel: its five arguments; not the weights, the rope
     buffers (a rank's own state) or the KV and index caches (split over the group, or written by the step)."""
-    from dsa_dcp.inspect.targets import fake_group
+    from dsa_dcp.inspection.targets import fake_group
     from dsa_dcp.models import DSAModel, get_config
     from dsa_dcp.models.runner import decode_step_inputs
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import dsa_dcp
-from dsa_dcp.inspect.targets import fake_group
+from dsa_dcp.inspection.targets import fake_group
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
 from dsa_dcp.ops import INDEX_SCORES, TOPK_REMAP, TOPK_SELECT, TOPK_SELECT_REMAP
 

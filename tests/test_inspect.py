@@ -22,9 +22,9 @@ from torch import nn
 
 import dsa_dcp
 from dsa_dcp import cli
-from dsa_dcp.inspect.memory import memory_plan
-from dsa_dcp.inspect.report import NO_KERNEL_COUNT, NO_KERNEL_COUNT_DCP, SCHEMA, Inspection
-from dsa_dcp.inspect.targets import fake_group
+from dsa_dcp.inspection.memory import memory_plan
+from dsa_dcp.inspection.report import NO_KERNEL_COUNT, NO_KERNEL_COUNT_DCP, SCHEMA, Inspection
+from dsa_dcp.inspection.targets import fake_group
 from dsa_dcp.kv_cache import allocate_kv_cache
 
 HERE = os.path.dirname(os.path.abspath(__file__))

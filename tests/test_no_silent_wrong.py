@@ -10,7 +10,7 @@ import torch
 
 import dsa_dcp
 from dsa_dcp.backend import DCPCompileWarning
-from dsa_dcp.inspect.targets import fake_group
+from dsa_dcp.inspection.targets import fake_group
 from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.slots import local_row, owner
 from dsa_dcp.validate import DCPValidationError

@@ -8,7 +8,7 @@ import torch
 
 import dsa_dcp
 from dsa_dcp.config import MODES, DCPOptions, OptionsError
-from dsa_dcp.inspect.targets import fake_group
+from dsa_dcp.inspection.targets import fake_group
 
 # (options, the option named, the value as the message shows it, what is allowed)
 BAD = [

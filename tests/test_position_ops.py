@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dsa_dcp  # noqa: F401  registers the ops
-from dsa_dcp.inspect.targets import fake_group
+from dsa_dcp.inspection.targets import fake_group
 from dsa_dcp.kernels import sparse_mla_reference
 from dsa_dcp.ops_positions import (position_store_reference, sparse_mha_positions_reference,
                                    sparse_mla_positions_reference)

@@ -186,7 +186,7 @@ def test_sharded_ops_meet_their_schemas():
 
 
 def _problems(model_or_fn, inputs, options):
-    from dsa_dcp.inspect.targets import fake_group
+    from dsa_dcp.inspection.targets import fake_group
     from dsa_dcp.validate import DCPValidationError
 
     torch._dynamo.reset()
@@ -250,7 +250,7 @@ def test_a_sharded_cache_read_by_an_unrecognized_indexer_is_refused_with_the_rea
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_memory_plan_of_the_sharded_index_cache(n):
-    from dsa_dcp.inspect.memory import memory_plan
+    from dsa_dcp.inspection.memory import memory_plan
 
     plan = memory_plan("glm5.3", "fp8", n, gpu_mem_gib=80, index_cache="sharded")
     assert plan.bytes_per_token_per_rank == (44928 + 2772) / n == plan.bytes_per_token_per_rank_split_index

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 import dsa_dcp
 from dsa_dcp.config import DCPOptions, OptionsError
-from dsa_dcp.inspect.targets import fake_group
+from dsa_dcp.inspection.targets import fake_group
 from dsa_dcp.kv_cache import allocate_kv_cache
 from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch

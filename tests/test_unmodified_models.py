@@ -201,7 +201,7 @@ def _check_caches_are_split(ref_caches, rank_results, world, left_padded):
 def test_inspect_counts_one_remap_per_glm_indexer():
     """``dsa-dcp inspect hf:glm_moe_dsa --dcp 4``: layers full, shared, shared, full -> 2 remaps."""
     import dsa_dcp
-    from dsa_dcp.inspect import inspect_target
+    from dsa_dcp.inspection import inspect_target
 
     inspection = inspect_target("hf:glm_moe_dsa", dcp_size=4, merge="a2a")
     summary = dsa_dcp.backend_report().summary
@@ -263,7 +263,7 @@ def test_sampling_and_beam_search_agree_over_the_group_whatever_the_ranks_seeds(
 def test_generate_refuses_to_guess_which_ranks_sample_together():
     """A world of 4 ranks and a cache for 2: two DCP groups may serve different requests, so generate
     needs the group named (cache.sample_over(group)); with it, the group's processor is added."""
-    from dsa_dcp.inspect.targets import fake_group
+    from dsa_dcp.inspection.targets import fake_group
     from dsa_dcp.integrations.transformers import DCPGroupSampling, DCPStaticCache, sampling_processor, tiny_model
 
     config = tiny_model("deepseek_v32").config

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dsa_dcp
-from dsa_dcp.inspect.targets import fake_group as fake_pg
+from dsa_dcp.inspection.targets import fake_group as fake_pg
 from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.backend import DCPCompileWarning
 from dsa_dcp.validate import DCPValidationError

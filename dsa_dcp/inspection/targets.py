@@ -161,7 +161,7 @@ def inspect_target(target: str, *, dcp_size: int = 2, merge: str = "a2a", interl
     ``lowering="fx"`` unless ``options`` say otherwise: the passes, and so everything inspected,
     are the same under every lowering, and the FX lowering compiles in a fraction of the time.
     """
-    from dsa_dcp.inspect.report import inspect
+    from dsa_dcp.inspection.report import inspect
 
     if is_builtin(target):
         model, inputs, cfg, how = builtin_model(target, dcp_size, interleave, rows,
