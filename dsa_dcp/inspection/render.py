@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -57,8 +57,9 @@ class Layout:
     edges: list[tuple[float, float, float, float, str]]  # x1, y1, x2, y2, kind
 
 
-if TYPE_CHECKING:  # the data this module renders (report.py imports this module, not the other way)
-    from dsa_dcp.inspection.report import Inspection
+# The functions below render a ``report.Inspection`` (passed in as ``self``; report.py imports this
+# module, not the other way around).
+Inspection = Any
 
 
 def layout(dataflow: dict, title: str = "") -> Layout:
