@@ -324,13 +324,16 @@ def run_on_ranks(
     - ``before_join``: called as ``before_join(rank, world_size)`` in each rank before it calls
       ``init_process_group`` (environment set-up; tests use it to make a rank never join).
 
-    Raises ``RankError`` (see the module docstring) when any rank does not return a result.
+    Raises ``RankError`` (see the module docstring) when any rank does not return a result. While
+    ``keep_ranks()`` is on, the ranks may be kept ones (see there).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     _refuse_unguarded_main()
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if _keep and before_join is None and collective_timeout is None and timeout >= DEFAULT_COLLECTIVE_TIMEOUT_S:
+        return _run_kept(fn, world_size, args, timeout)
     if collective_timeout is None:
         collective_timeout = min(timeout, DEFAULT_COLLECTIVE_TIMEOUT_S)
     if collective_timeout <= 0:
@@ -350,29 +353,39 @@ def run_on_ranks(
             child_end.close()  # the child holds its own copy: EOF here once it is gone
             procs.append(p)
             conns.append(parent_end)
-        ranks = _Ranks(procs, conns)
-        deadline = time.monotonic() + timeout
-        failed_at = None
-        while ranks.pending():
-            now = time.monotonic()
-            if now >= deadline:
-                raise ranks.report(world_size, timed_out=timeout)
-            if ranks.failed():
-                if failed_at is None:
-                    failed_at = now
-                if now - failed_at >= FAILURE_GRACE_S:
-                    break
-                ranks.wait(min(deadline, failed_at + FAILURE_GRACE_S) - now)
-            else:
-                ranks.wait(deadline - now)
-        if ranks.failed():
-            raise ranks.report(world_size, timed_out=None)
+        ranks = _collect(_Ranks(procs, conns), world_size, timeout)
         _stop_after_success(procs)
-        return [torch.load(io.BytesIO(ranks.results[r]), weights_only=False) for r in range(world_size)]
+        return _results(ranks, world_size)
     finally:
         _stop(procs, grace=1.0)
         for c in conns:
             c.close()
+
+
+def _collect(ranks: _Ranks, world_size: int, timeout: float) -> _Ranks:
+    """Wait for every rank's result; raise the ``RankError`` of the first failure (after a grace
+    period for the others' reports) or of the timeout."""
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while ranks.pending():
+        now = time.monotonic()
+        if now >= deadline:
+            raise ranks.report(world_size, timed_out=timeout)
+        if ranks.failed():
+            if failed_at is None:
+                failed_at = now
+            if now - failed_at >= FAILURE_GRACE_S:
+                break
+            ranks.wait(min(deadline, failed_at + FAILURE_GRACE_S) - now)
+        else:
+            ranks.wait(deadline - now)
+    if ranks.failed():
+        raise ranks.report(world_size, timed_out=None)
+    return ranks
+
+
+def _results(ranks: _Ranks, world_size: int) -> list[Any]:
+    return [torch.load(io.BytesIO(ranks.results[r]), weights_only=False) for r in range(world_size)]
 
 
 def _stop_after_success(procs) -> None:
@@ -380,6 +393,114 @@ def _stop_after_success(procs) -> None:
     deadline = time.monotonic() + EXIT_GRACE_S
     for p in procs:
         p.join(max(deadline - time.monotonic(), 0.0))
+
+
+# --------------------------------------------------------------------------- ranks kept between runs
+
+
+_pools: dict[int, "_RankPool"] = {}  # kept ranks, by world size
+_keep = False  # whether run_on_ranks uses them now
+
+
+def keep_ranks(enabled: bool = True) -> None:
+    """Keep ranks between ``run_on_ranks`` calls while enabled (a test session's many short runs):
+    the ranks of a world size start once and run one function after another, each run in a process
+    group of its own (a fresh default group over a fresh part of the store, after
+    ``torch.compiler.reset()`` and with torch's generator reseeded as a new process seeds it), so a
+    run sees what it would see in new processes except the modules already imported — and except
+    where its output goes: kept ranks print where the first run's ranks printed. A run with a
+    ``before_join``, its own ``collective_timeout`` or a ``timeout`` under a minute starts its own
+    ranks as always; a run in which a rank fails, dies or times out ends that world size's ranks,
+    and the next run starts new ones. Disabling keeps them for later; ``stop_kept_ranks()`` ends
+    them."""
+    global _keep
+    _keep = enabled
+
+
+def stop_kept_ranks() -> None:
+    """End every kept rank (``keep_ranks``)."""
+    while _pools:
+        _pools.popitem()[1].stop()
+
+
+def _pooled_rank_main(rank, world_size, port_cell, conn, collective_timeout):
+    """A kept rank: joins the store once, then runs each ``("run", fn, args)`` it is sent in a
+    process group of its own, until ``("stop",)``."""
+    torch.set_num_threads(1)
+    seed = torch.initial_seed()  # what a new process starts its generator with
+    store = _store(rank, world_size, port_cell, collective_timeout)
+    os.environ.update(MASTER_ADDR=STORE_HOST, MASTER_PORT=str(port_cell.value))
+    runs = 0
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        if message[0] != "run":
+            break
+        _, fn, args = message
+        runs += 1
+        try:
+            torch.compiler.reset()
+            torch.manual_seed(seed)
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"run/{runs}/", store), rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout))
+            value = fn(rank, world_size, *args)
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            _send(conn, ("result", buf.getvalue()))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            _send(conn, ("exception", (f"{type(e).__module__}.{type(e).__qualname__}", str(e))))
+            _send(conn, ("error", traceback.format_exc()))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    conn.close()
+    _exit_now()
+
+
+class _RankPool:
+    """``world_size`` kept ranks (``keep_ranks``)."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        port_cell = ctx.Value("i", 0, lock=False)
+        self.world_size, self.procs, self.conns = world_size, [], []
+        for r in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_pooled_rank_main, daemon=True,
+                            args=(r, world_size, port_cell, child_end, DEFAULT_COLLECTIVE_TIMEOUT_S))
+            p.start()
+            child_end.close()
+            self.procs.append(p)
+            self.conns.append(parent_end)
+
+    def run(self, fn, args, timeout: float) -> list[Any]:
+        for conn in self.conns:
+            conn.send(("run", fn, args))
+        ranks = _Ranks(self.procs, self.conns)
+        ranks.phase = ["joined"] * self.world_size
+        return _results(_collect(ranks, self.world_size, timeout), self.world_size)
+
+    def stop(self) -> None:
+        for conn in self.conns:
+            _send(conn, ("stop",))
+        _stop_after_success(self.procs)
+        _stop(self.procs, grace=1.0)
+        for conn in self.conns:
+            conn.close()
+
+
+def _run_kept(fn, world_size: int, args, timeout: float) -> list[Any]:
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = _RankPool(world_size)
+    try:
+        return pool.run(fn, args, timeout)
+    except BaseException:
+        _pools.pop(world_size, None)  # a failed run may leave its ranks anywhere: start new ones next time
+        pool.stop()
+        raise
 
 
 def init_from_env(backend: str | None = None, timeout: float | None = None) -> tuple[int, int]:

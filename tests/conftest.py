@@ -45,3 +45,25 @@ else:
         "soak", max_examples=2000, deadline=None, print_blob=True, suppress_health_check=_slow_ok
     )
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# Ranks kept between runs (dsa_dcp.launch.keep_ranks): the end-to-end modules that start many
+# short gloo runs opt in with `pytestmark = pytest.mark.usefixtures("kept_ranks")`; every other
+# test starts its own ranks, as a user's program does.
+@pytest.fixture
+def kept_ranks():
+    from dsa_dcp import launch
+
+    launch.keep_ranks(True)
+    try:
+        yield
+    finally:
+        launch.keep_ranks(False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_kept_ranks():
+    yield
+    from dsa_dcp import launch
+
+    launch.stop_kept_ranks()

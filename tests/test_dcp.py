@@ -12,6 +12,8 @@ from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
 from dsa_dcp.slots import local_cache_rows, local_row, owner
 
+pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
+
 STEPS = 16
 ROWS = 16
 LAYERS = {"deepseek-v3.2-tiny": 3, "glm5.2-tiny": 8}
@@ -77,9 +79,10 @@ def test_dcp_matches_single_rank(family, world, merges, interleave):
 
 # The default lowering: Inductor compiles the rewritten step (on CPU: C++ kernels, slow to build),
 # so these use the fewest layers that keep each family's top-k pattern (GLM-5.2's layer 3 reuses
-# layer 2's top-k) and a short schedule: every merge mode, N = 2, 3, 4, both families.
+# layer 2's top-k) and a short schedule: every merge mode, each family once (the group size is a
+# constant of the graph Inductor gets; the FX cases above cover N = 2, 3 and 4).
 MERGES = ("ag", "a2a", "ag_rs", "fused_a2a")
-INDUCTOR_CASES = [(family, world) for world in (2, 3, 4) for family in ("glm5.2-tiny", "deepseek-v3.2-tiny")]
+INDUCTOR_CASES = [("glm5.2-tiny", 3), ("deepseek-v3.2-tiny", 2)]
 INDUCTOR_LAYERS = {"deepseek-v3.2-tiny": 2, "glm5.2-tiny": 4}
 
 

@@ -11,6 +11,8 @@ import torch.distributed as dist
 import dsa_dcp
 from dsa_dcp.launch import run_on_ranks
 
+pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
+
 S, B, K = 24, 3, 5
 ROW = torch.tensor([[1, 2, 3, 4, -1], [9, 8, -1, -1, -1], [0, 0, 10, 11, 12]])  # row 2's head is replaced
 

@@ -56,26 +56,6 @@ def test_reference_models_at_dcp_size_one(family, layers):
             assert report.passes == [] and targets.count(torch.topk) == len(cfg.indexer_layers)
 
 
-def test_glm52_78_layers_one_fused_selection_per_indexer():
-    """Under DCP each indexer's topk_select takes its remap in (topk_select_remap): 21 for 78 layers."""
-    cfg = get_config("glm5.2-tiny")
-    model = DSAModel(cfg, 64, dcp_size=2)
-    rows = torch.zeros(4, dtype=torch.int64)
-    page_table = torch.full((1, 16), -1, dtype=torch.int32)
-    torch._dynamo.reset()
-    with fake_group(2), torch.no_grad():
-        torch.compile(model, backend="dsa_dcp", options={"dcp_size": 2, "lowering": "fx"}, fullgraph=True)(
-            rows, rows - 1, rows, rows - 1, page_table)
-    report = dsa_dcp.backend_report()
-    stats, targets = report.stats(), _targets(report.graph)
-    assert (cfg.n_layers, len(cfg.indexer_layers)) == (78, 21)
-    assert stats["indexer_kernels"]["indexers_matched"] == 21
-    assert (stats["share_remaps"]["remaps_before"], stats["share_remaps"]["remaps_after"]) == (78, 21)
-    assert stats["fuse_remaps"] == {"remaps_fused": 21, "remaps_kept": []}
-    assert targets.count(TOPK_SELECT_REMAP) == report.summary["remaps"] == 21
-    assert TOPK_REMAP not in targets and TOPK_SELECT not in targets
-
-
 def test_debug_checks_keep_the_global_topk_and_its_remap():
     """debug_checks read the global top-k, so the remap is not fused (and says why)."""
     cfg = get_config("deepseek-v3.2-tiny", n_layers=2)

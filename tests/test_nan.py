@@ -19,6 +19,8 @@ from dsa_dcp.models import DSAModel, generate, get_config
 from dsa_dcp.models.runner import make_requests
 from dsa_dcp.slots import local_row, owner
 
+pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
+
 QUIET_NAN = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 

@@ -15,6 +15,8 @@ from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.slots import local_row, owner
 from dsa_dcp.validate import DCPValidationError
 
+pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
+
 S, B, H, DC, DR, K, LAYERS = 40, 5, 4, 8, 4, 6, 3
 OPS = torch.ops.dsa_dcp
 

@@ -9,6 +9,8 @@ import torch
 
 from dsa_dcp.launch import run_on_ranks
 
+pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
+
 FORMS = {
     "cache_cast_float": {"cache_cast": "float"},
     "cache_cast_to": {"cache_cast": "to"},

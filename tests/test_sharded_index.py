@@ -18,6 +18,8 @@ from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
 from dsa_dcp.slots import local_cache_rows, local_row, owner
 
+pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
+
 STEPS = 4
 ROWS = 16
 LAYERS = {"deepseek-v3.2-tiny": 2, "glm5.2-tiny": 4}  # GLM-5.2: indexers at 0, 1, 2; layer 3 reuses 2's top-k

@@ -19,6 +19,8 @@ import torch
 from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.slots import local_row, owner
 
+pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
+
 transformers = pytest.importorskip("transformers")
 
 MERGES = ("ag", "a2a", "ag_rs", "fused_a2a")

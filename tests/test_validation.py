@@ -11,6 +11,8 @@ from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.backend import DCPCompileWarning
 from dsa_dcp.validate import DCPValidationError
 
+pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
+
 S, B, H, DC, DR, K = 24, 3, 4, 8, 4, 5
 SPARSE_MLA = torch.ops.dsa_dcp.sparse_mla.default
 KV_STORE = torch.ops.dsa_dcp.kv_store.default
@@ -155,6 +157,7 @@ def test_all_problems_are_reported_together(fake_group):
 
 
 def _multi_host_rank(rank, world, allow):
+    real = socket.gethostname
     socket.gethostname = lambda: f"host{rank}"  # each rank pretends to be on its own machine
     torch._dynamo.reset()
     cache = _local_cache()
@@ -164,6 +167,8 @@ def _multi_host_rank(rank, world, allow):
         compiled(*_inputs(cache))
     except Exception as e:  # noqa: BLE001
         return str(e)
+    finally:
+        socket.gethostname = real  # a kept rank runs the next test next
     return "ok"
 
 
