@@ -71,6 +71,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, world, merges, interleave", CASES, ids=lambda v: str(v))
 def test_dcp_matches_single_rank(family, world, merges, interleave):
     """The FX lowering (the rewritten graph as Python): long schedules, every merge."""
@@ -86,6 +87,7 @@ INDUCTOR_CASES = [("glm5.2-tiny", 3), ("deepseek-v3.2-tiny", 2)]
 INDUCTOR_LAYERS = {"deepseek-v3.2-tiny": 2, "glm5.2-tiny": 4}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, world", INDUCTOR_CASES, ids=lambda v: str(v))
 def test_inductor_lowering_matches_single_rank(family, world):
     _check_against_single_rank(family, world, MERGES, 1, "inductor", INDUCTOR_LAYERS[family], 3)

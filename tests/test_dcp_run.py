@@ -1,7 +1,11 @@
 """The several-GPU run script, exercised on gloo CPU ranks (its correctness part)."""
 
+import pytest
+
 from dsa_dcp.bench.dcp_run import RunSpec, check_correctness, check_transformers
 from dsa_dcp.launch import run_on_ranks
+
+pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
 
 
 def _rank(rank, world):
@@ -14,6 +18,7 @@ def _hf_rank(rank, world):
     return list(check_transformers(rank, world, spec))
 
 
+@pytest.mark.slow
 def test_run_script_transformers_part_on_cpu_ranks():
     """transformers' models under DCP against one rank, as the several-GPU run checks them."""
     for rows in run_on_ranks(_hf_rank, 2):
@@ -26,6 +31,7 @@ def test_run_script_transformers_part_on_cpu_ranks():
             assert len(r["tokens"]) == 3 and all(len(t) == 3 for t in r["tokens"])
 
 
+@pytest.mark.slow
 def test_run_script_correctness_part_on_cpu_ranks():
     for rows in run_on_ranks(_rank, 2):
         assert [r["merge"] for r in rows] == ["fused_a2a"]  # every merge: tests/test_dcp.py

@@ -66,6 +66,7 @@ def test_example_runs_in_process(name, monkeypatch, tmp_path, capsys):
     assert "match eager: True" in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_example_runs_as_a_script(name):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

@@ -130,6 +130,7 @@ def test_a_rank_that_dies_before_joining(tmp_path):
 
 
 # rank 0 hosts the TCP store, so its absence fails differently: the others never learn its port
+@pytest.mark.slow
 @pytest.mark.parametrize("missing", [0, 1])
 def test_a_rank_that_never_joins(tmp_path, missing):
     err, elapsed = _run_expecting_failure(_never_called, tmp_path, never_join=missing)
@@ -216,6 +217,7 @@ def _group_timeout(rank, world):
     return group_timeout(dist.group.WORLD).total_seconds()
 
 
+@pytest.mark.slow
 def test_the_default_collective_timeout_ends_a_hung_run_within_a_minute():
     from dsa_dcp.launch import DEFAULT_COLLECTIVE_TIMEOUT_S
 
@@ -240,6 +242,7 @@ def _hangs_before_compiling(rank, world):
         raise RuntimeError(f"after {time.monotonic() - start:.1f} s: {dsa_dcp.entry.find_dcp_error(e)}") from None
 
 
+@pytest.mark.slow
 def test_the_compile_time_agreement_waits_the_process_groups_timeout(tmp_path):
     """A rank that hangs before compiling holds its peers for the group's timeout (here 2 s), not a fixed
     60 s: they fail naming it."""

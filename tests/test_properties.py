@@ -251,6 +251,7 @@ def check_split_merge(case, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@settings(max_examples=examples(0.4))  # a sparse_mla and a combine launch per example, interpreted
 @given(case=attention_cases(poison=True))
 def test_lse_combine_of_a_split_equals_attention_over_the_union(impl, case):
     check_split_merge(case, impl)
@@ -451,7 +452,7 @@ def test_dcp_attention_over_local_caches_equals_one_device_reference(case, I):
     check_dcp_step(case, I, "reference")
 
 
-@settings(max_examples=examples(0.4))  # N launches of each kernel per example, interpreted
+@settings(max_examples=examples(0.25))  # N launches of each kernel per example, interpreted
 @given(case=attention_cases(poison=True), I=interleaves)
 def test_dcp_attention_over_local_caches_equals_one_device_triton(case, I):
     check_dcp_step(case, I, "triton")

@@ -60,6 +60,7 @@ def _rank(rank, world, names):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_published_forms_match_single_rank(world):
     names = list(FORMS) if world == 2 else ["cache_cast_float", "softmax_cast", "topk_break_broadcast"]

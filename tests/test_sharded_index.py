@@ -71,6 +71,7 @@ def _relative_error(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_sharded_index_cache_matches_replicated_and_single_rank(world):
     """Both families (GLM-5.2's layer 3 attends with layer 2's top-k) on one spawn of N ranks."""

@@ -58,6 +58,7 @@ def _layer_groups(cfg):
     return list(groups.values())
 
 
+@pytest.mark.slow
 def test_glm52_all_78_layers_share_21_remaps():
     """GLM-5.2 whole (78 layers, 21 indexers): 21 remaps, each fused into its indexer's selection."""
     cfg, summary, stats = _model_stats("glm5.2-tiny")

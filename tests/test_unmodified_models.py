@@ -130,6 +130,7 @@ def _relative_error(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name, world, merges, lowering", CASES, ids=lambda v: str(v))
 def test_unmodified_model_matches_single_rank(model_name, world, merges, lowering):
     ref_tokens, ref_logits, ref_caches = _generate(model_name, 1, None)
