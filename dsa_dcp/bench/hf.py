@@ -28,7 +28,6 @@ logits are within that rounding (the first step's largest logit difference is re
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 
 import torch
@@ -174,12 +173,7 @@ def format_hf_table(rows: list[dict]) -> str:
 def main(args) -> int:
     shapes = tuple((b, p) for b, p in (s.split("x") for s in args.shapes)) if args.shapes else HFBenchSpec.shapes
     spec = HFBenchSpec(shapes=tuple((int(b), int(p)) for b, p in shapes), layers=args.layers, steps=args.steps)
-    rows = []
-    for row in run_hf_bench(spec):
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-    print(format_hf_table(rows))
+    from dsa_dcp.bench.measure import print_rows
+
+    print_rows(run_hf_bench(spec), args.json, format_hf_table)
     return 0

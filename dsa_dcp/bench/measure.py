@@ -63,3 +63,19 @@ def versions() -> dict:
 
         v["flashinfer"] = flashinfer.__version__
     return v
+
+
+def print_rows(rows, json_path: str | None, table) -> list[dict]:
+    """Print each row of a bench as one JSON line while it is measured (rewriting ``json_path``
+    after each, so a run cut short keeps what it measured), then ``table(rows)``; returns the rows."""
+    import json
+
+    done = []
+    for row in rows:
+        done.append(row)
+        print(json.dumps(row), flush=True)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(done, f, indent=1)
+    print(table(done))
+    return done

@@ -24,7 +24,6 @@ step are counted with the profiler over one step run eagerly (what its graph rep
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import torch
 
@@ -136,12 +135,7 @@ def format_step_table(rows: list[dict]) -> str:
 
 def main(args) -> int:
     spec = StepBenchSpec(layers=args.layers, batches=tuple(args.batches), context=args.context)
-    rows = []
-    for row in run_step_bench(spec):
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-    print(format_step_table(rows))
+    from dsa_dcp.bench.measure import print_rows
+
+    print_rows(run_step_bench(spec), args.json, format_step_table)
     return 0

@@ -1,17 +1,7 @@
 """Indexer kernels: the lightning indexer as a model writes it becomes ``index_scores`` + ``topk_select``.
 
 Expects: dynamo's graph of a step. A lightning indexer is recognized from its ``torch.topk`` node
-backwards by ``passes/match/indexer.py``, in the forms it lists::
-
-    pages = page_table.index_select(0, req) [.long()]        # or page_table[req]
-    cand  = (pages.unsqueeze(-1) * P + arange(P)).flatten(1)  # or a reshape/view to [T, C]
-    valid = (arange(C)[None] <= positions[:, None]) & (cand >= 0)     # any and/or/not of these
-    keys  = index_cache[cand.clamp(min=0)] [.float()]
-    logits = einsum("thd,tcd->thc", q [.float()], keys).relu()         # or q @ keys.transpose(1, 2)
-    score = einsum("thc,th->tc", logits, w)                  # or (logits * w[..., None]).sum(1), a matmul
-    score = score.masked_fill(~valid, -inf)                  # or torch.where(valid, score, -inf)
-    val, idx = torch.topk(score, K, dim=-1)
-    topk = torch.where(val == -inf, -1, cand.gather(1, idx)) [.to(torch.int32)]
+backwards by ``passes/match/indexer.py`` (the forms are listed there).
 
 Leaves: ``topk = topk_select(index_scores(q, w, index_cache, None, page_table, req, positions, P),
 page_table, req, P, K)`` in its place (the index-cache write before it is untouched). The result
