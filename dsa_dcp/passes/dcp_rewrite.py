@@ -167,6 +167,6 @@ class _DebugChecks:
     def insert(self, topk: fx.Node, kv: fx.Node, layer_index: int) -> None:
         """A check of the layer's global ``topk`` (slots of the cache ``kv``) at the insert point."""
         num_slots = kv_layout(self.values[alias_base(kv)]).num_slots
-        self.graph.call_function(check_step, (topk, self.position, layer_index, num_slots, self.ctx.dcp_size,
-                                              self.ctx.group_name))
+        Emitter(self.graph).opaque(check_step, topk, self.position, layer_index, num_slots, self.ctx.dcp_size,
+                            self.ctx.group_name)
         self.position += 1

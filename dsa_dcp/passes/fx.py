@@ -393,19 +393,29 @@ class Emitter:
     def method(self, name: str, *args: Any, **kwargs: Any) -> fx.Node:
         return self._finish(self.graph.call_method(name, args, kwargs))
 
-    def _finish(self, node: fx.Node) -> fx.Node:
+    def opaque(self, target: Any, *args: Any) -> fx.Node:
+        """A ``call_function`` not run on fake values (a host-side check that talks to the group):
+        it gets the module stack and layer, and no ``example_value``."""
+        return self._finish(self.graph.call_function(target, args), None)
+
+    def known(self, value: Any, target: Any, *args: Any) -> fx.Node:
+        """A ``call_function`` whose value the caller knows (a fake tensor it made itself), where
+        running the target on the fake inputs cannot tell it (a position cache's local part)."""
+        return self._finish(self.graph.call_function(target, args), value)
+
+    def _finish(self, node: fx.Node, value: Any = _MISSING) -> fx.Node:
         if self.like is not None:
             for key in META_KEYS:
                 if key in self.like.meta:
                     node.meta[key] = self.like.meta[key]
         if self.layer is not None:
             node.meta["dsa_dcp_layer"] = self.layer
-        try:
-            value = _run_fake(node, self.fake_mode)
-        except Exception as e:  # noqa: BLE001 - metadata is a convenience, never a reason to fail
-            log.debug("no fake value for %s: %s: %s", target_name(node.target), type(e).__name__, e)
-            value = _MISSING
-        if value is not _MISSING:
+        if value is _MISSING:
+            try:
+                value = _run_fake(node, self.fake_mode)
+            except Exception as e:  # noqa: BLE001 - metadata is a convenience, never a reason to fail
+                log.debug("no fake value for %s: %s: %s", target_name(node.target), type(e).__name__, e)
+        if value is not _MISSING and value is not None:
             node.meta["example_value"] = value
         return node
 

@@ -141,12 +141,11 @@ def insert_local_views(gm: fx.GraphModule, caches, example_inputs: tuple) -> dic
     real = F.placeholder_values(gm, example_inputs)
     mode = F.fake_mode_of(graph)
     local = {}
+    emit = F.Emitter(graph)
     with graph.inserting_after(placeholders[-1]):
         for cache in reversed(list(caches)):
-            node = graph.call_function(local_positions, (cache,))
             inner = local_positions(real[cache])
-            node.meta["example_value"] = mode.from_tensor(inner) if mode is not None else inner
-            local[cache] = node
+            local[cache] = emit.known(mode.from_tensor(inner) if mode is not None else inner, local_positions, cache)
     return local
 
 

@@ -25,7 +25,7 @@ import torch.fx as fx
 from dsa_dcp.debug_checks import check_step_inputs
 from dsa_dcp.kv_cache import is_index_cache, kv_layout
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
-from dsa_dcp.passes.fx import alias_base, mutated_args, placeholder_values
+from dsa_dcp.passes.fx import Emitter, alias_base, mutated_args, placeholder_values
 from dsa_dcp.position_cache import PositionShardedCache
 
 
@@ -71,6 +71,6 @@ class StepInputs(DCPPass):
         graph = gm.graph
         first = next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(first):
-            graph.call_function(check_step_inputs, (list(plan.inputs), [input_name(n) for n in plan.inputs],
-                                                    ctx.dcp_size, ctx.group_name))
+            Emitter(graph).opaque(check_step_inputs, list(plan.inputs), [input_name(n) for n in plan.inputs], ctx.dcp_size,
+                           ctx.group_name)
         return {"step_inputs_checked": [input_name(n) for n in plan.inputs]}
