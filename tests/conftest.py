@@ -34,7 +34,7 @@ else:
     _slow_ok = [HealthCheck.too_slow, HealthCheck.data_too_large]
     settings.register_profile(
         "ci",
-        max_examples=60,
+        max_examples=40,
         deadline=None,
         derandomize=True,  # the same examples on every run and machine
         database=None,  # and no replay of failures saved by an earlier local run

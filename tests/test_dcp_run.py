@@ -10,7 +10,7 @@ pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept
 
 def _rank(rank, world):
     return list(check_correctness(rank, world, RunSpec(device="cpu", merges=("fused_a2a",), steps=4, tiny_only=True,
-                                                       lowering="fx")))
+                                                       lowering="fx", tiny_layers=8)))
 
 
 def _hf_rank(rank, world):

@@ -32,7 +32,9 @@ def _compile_in(rank, world, cache_dirs, options):
 
 
 @pytest.mark.slow
-def test_a_second_process_hits_inductors_cache_and_other_ranks_or_options_miss(tmp_path):
+def test_a_second_process_hits_inductors_cache_and_another_rank_misses(tmp_path):
+    """The graph names the rank (and the options: tests/test_options.py checks the cache key covers
+    them), so rank 1 in rank 0's cache misses."""
     dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
     cold = run_on_ranks(_compile_in, 2, dirs, {"merge": "a2a"})
     assert all(r["miss"] >= 1 and r["hit"] == 0 for r in cold), cold
@@ -40,8 +42,6 @@ def test_a_second_process_hits_inductors_cache_and_other_ranks_or_options_miss(t
     warm = run_on_ranks(_compile_in, 2, [dirs[0], dirs[0]], {"merge": "a2a"})
     assert warm[0]["hit"] >= 1 and warm[0]["miss"] == 0, warm[0]
     assert warm[1]["miss"] >= 1 and warm[1]["hit"] == 0, warm[1]
-    other = run_on_ranks(_compile_in, 2, [dirs[0], dirs[0]], {"merge": "a2a", "interleave": 2})
-    assert all(r["miss"] >= 1 and r["hit"] == 0 for r in other), other
     for a, b in zip(cold, warm):
         torch.testing.assert_close(a["logits"], b["logits"], rtol=0, atol=0)
     print(f"\ncompile + first step, rank 0: cold {cold[0]['seconds']:.1f} s, warm {warm[0]['seconds']:.1f} s")

@@ -59,6 +59,7 @@ class RunSpec:
     lowering: str | None = None  # None: the backend's default (Inductor)
     index_caches: tuple[str, ...] = ("replicated", "sharded")  # step latency: DCP rows for each
     cuda_graphs: bool | None = None  # transformers part: None, the backend's default (graphs on CUDA)
+    tiny_layers: int | None = None  # the tiny config's layers (None: all 78 of glm5.2-tiny)
 
 
 _T0 = time.monotonic()
@@ -106,7 +107,8 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     from dsa_dcp.models import DSAModel, generate, get_config, make_requests, standard_test_batch
     from dsa_dcp.slots import local_cache_rows
 
-    configs = [("glm5.2-tiny", get_config("glm5.2-tiny"))]
+    tiny = get_config("glm5.2-tiny", **({"n_layers": spec.tiny_layers} if spec.tiny_layers else {}))
+    configs = [("glm5.2-tiny", tiny)]
     if not spec.tiny_only:
         configs.insert(0, ("glm5.2 (real attention dims)", get_config(
             "glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768, page_size=64)))
