@@ -225,8 +225,9 @@ GENERATE = {  # how each case calls generate
 
 
 def _generate_mode(model, dcp_size: int, mode: str, seed: int, cache: bool = True):
-    """``generate`` of 2 prompts, 4 new tokens, seeded with ``seed`` just before; ``cache=False`` lets
-    transformers allocate its own cache (the single-rank reference of beam search)."""
+    """``generate`` of 2 prompts, 4 new tokens, seeded with ``seed`` just before: the new tokens and each
+    step's logits; ``cache=False`` lets transformers allocate its own cache (the single-rank reference of
+    beam search)."""
     from dsa_dcp.integrations.transformers import DCPStaticCache, left_padded_prompts
 
     kwargs = GENERATE[mode]
@@ -237,8 +238,9 @@ def _generate_mode(model, dcp_size: int, mode: str, seed: int, cache: bool = Tru
                                                                dcp_size=dcp_size)}
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, disable_compile=True, **kwargs)
-    return out[:, ids.shape[1]:].tolist()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, disable_compile=True, output_logits=True,
+                             return_dict_in_generate=True, **kwargs)
+    return out.sequences[:, ids.shape[1]:].tolist(), torch.stack(out.logits)
 
 
 def _modes_rank(rank, world, family):
@@ -257,10 +259,13 @@ def test_sampling_and_beam_search_agree_over_the_group_whatever_the_ranks_seeds(
     model = hf_model(family, "eager")
     ref = {mode: _generate_mode(model, 1, mode, SEED, cache=mode != "beam") for mode in GENERATE}
     for mode in ("sample", "sample_top_p"):  # the seeds matter: rank 1's alone would sample otherwise
-        assert _generate_mode(model, 1, mode, SEED + 1) != ref[mode], mode
+        assert _generate_mode(model, 1, mode, SEED + 1)[0] != ref[mode][0], mode
     ranks = run_on_ranks(_modes_rank, 2, family, timeout=600)
     for rank, got in enumerate(ranks):
-        assert got == ref, (rank, got, ref)
+        for mode, (tokens, logits) in got.items():
+            assert tokens == ref[mode][0], (rank, mode, tokens, ref[mode][0])
+            # the logits too: a peer fed another token shifts them without always changing a sampled token
+            torch.testing.assert_close(logits, ref[mode][1], rtol=1e-5, atol=1e-5, msg=lambda m: f"{rank} {mode}: {m}")
 
 
 def test_generate_refuses_to_guess_which_ranks_sample_together():

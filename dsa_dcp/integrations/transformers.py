@@ -300,8 +300,9 @@ def _install_group_sampling() -> None:
     def _get_logits_processor(self, *args, **kwargs):
         processors = original(self, *args, **kwargs)
         model_kwargs = signature.bind_partial(self, *args, **kwargs).arguments.get("model_kwargs") or {}
-        cache = model_kwargs.get("past_key_values")
-        if isinstance(cache, DCPStaticCache) and not any(isinstance(p, DCPGroupSampling) for p in processors):
+        # the cache's keyword moved (past_key_values up to 5.23, cache from 5.24): any DCPStaticCache given
+        cache = next((value for value in model_kwargs.values() if isinstance(value, DCPStaticCache)), None)
+        if cache is not None and not any(isinstance(p, DCPGroupSampling) for p in processors):
             processor = sampling_processor(cache)
             if processor is not None:
                 processors.append(processor)
