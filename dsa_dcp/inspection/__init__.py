@@ -4,7 +4,8 @@
 result (or of the module / function given to ``torch.compile``); ``dsa_dcp.inspect`` is this
 function. ``inspect_target(name, ...)`` compiles a built-in config or a ``module:factory`` for
 rank 0 of an N-rank group in this process (a fake process group) and inspects it; it is what the
-CLI runs. ``memory_plan`` computes the per-rank memory plan of a config. See ``docs/inspect.md``.
+CLI runs. ``memory_plan`` computes the per-rank memory plan of a config; ``capacity_plan`` its weights
+and KV tokens per rank under TP with DCP inside it. See ``docs/inspect.md`` and ``docs/capacity.md``.
 
 Importing this package is cheap: the backend files reports through ``dsa_dcp.registry``; the
 report, rendering and target code load when used.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["inspect", "inspect_target", "memory_plan"]
+__all__ = ["inspect", "inspect_target", "memory_plan", "capacity_plan"]
 
 
 def inspect(compiled: Any, **memory: Any):
@@ -36,3 +37,11 @@ def memory_plan(config: Any, kv_dtype: str = "bf16", dcp_size: int = 1, **kwargs
     from dsa_dcp.inspection.memory import memory_plan as _memory_plan
 
     return _memory_plan(config, kv_dtype, dcp_size, **kwargs)
+
+
+def capacity_plan(config: Any, tp_size: int, dcp_size: int = 1, **kwargs: Any):
+    """Weights, bytes per token and KV tokens per rank at TP ``tp_size`` with DCP ``dcp_size`` inside it
+    (see ``capacity.capacity_plan``)."""
+    from dsa_dcp.inspection.capacity import capacity_plan as _capacity_plan
+
+    return _capacity_plan(config, tp_size, dcp_size, **kwargs)
