@@ -38,6 +38,75 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def _gpu(text: str) -> str:
+    from dsa_dcp.inspection.capacity import GPUS
+
+    if text.lower() in GPUS:
+        return text.lower()
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(sorted(GPUS))} or a memory size in GB > 0, "
+                                         f"got {text!r}")
+    return text
+
+
+# the capacity options (None when not given) and what each one needs --tp for
+CAPACITY_ARGS = {"weight_dtype": "--weight-dtype", "gpu": "--gpu", "reserve_gb": "--reserve-gb",
+                 "no_replicate_q": "--no-replicate-q", "capacity_only": "--capacity-only"}
+
+
+def _capacity_options(args: argparse.Namespace) -> dict:
+    """``capacity_plan`` keywords from the CLI's capacity options (their defaults where not given)."""
+    from dsa_dcp.inspection.capacity import DEFAULT_GPU
+
+    return {"weight_dtype": args.weight_dtype or "fp8", "replicate_q": not args.no_replicate_q,
+            "gpu": args.gpu or DEFAULT_GPU, "reserve_gb": args.reserve_gb}
+
+
+def _capacity_only(args: argparse.Namespace) -> int:
+    """``--capacity-only``: the memory plan and the capacity, from the config; nothing compiled."""
+    import json
+
+    from dsa_dcp.inspection.capacity import LayoutError, capacity_plan
+    from dsa_dcp.inspection.memory import memory_plan
+    from dsa_dcp.inspection.render import capacity_lines
+
+    try:
+        cap = capacity_plan(args.target, args.tp, args.dcp, kv_dtype=args.kv_dtype, index_cache=args.index_cache,
+                            **_capacity_options(args))
+    except LayoutError as e:
+        args.parser.error(str(e))
+    mem = memory_plan(args.target, args.kv_dtype, args.dcp, slots=args.slots, gpu_mem_gib=args.gpu_mem,
+                      interleave=args.interleave, index_cache=args.index_cache)
+    if args.format == "json":
+        print(json.dumps({"schema": CAPACITY_SCHEMA, "target": args.target, "memory": mem.as_dict(),
+                          "capacity": cap.as_dict()}, sort_keys=True, indent=2))
+        return 0
+    rows = mem.rows()
+    width = max(len(k) for k, _ in rows) + 2
+    lines = [f"dsa-dcp inspect {args.target} --capacity-only (from the config; nothing compiled or allocated)", "",
+             "memory plan (from the config; nothing allocated)", *[f"  {k:<{width}}{v}" for k, v in rows], "",
+             *capacity_lines(cap, compiled=False)]
+    print("\n".join(lines))
+    return 0
+
+
+CAPACITY_SCHEMA = "dsa-dcp-capacity/1"
+
+
 def _config_names() -> list[str]:
     from dsa_dcp.models import ALIASES, CONFIGS
 
@@ -126,12 +195,35 @@ def _inspect(args: argparse.Namespace) -> int:
     if ":" not in args.target and args.target not in names:
         args.parser.error(f"TARGET {args.target!r} is neither a built-in config nor module:factory; "
                           f"built-in configs: {', '.join(names)}")
+    given = [flag for key, flag in CAPACITY_ARGS.items() if getattr(args, key) not in (None, False)]
+    if args.tp is None and given:
+        args.parser.error(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --tp "
+                          "(the TP size the capacity is computed for)")
+    if args.tp is not None and args.target in names:
+        from dsa_dcp.inspection.capacity import LayoutError, check_layout
+
+        try:
+            check_layout(args.target, args.tp, args.dcp)  # before anything is built
+        except LayoutError as e:
+            args.parser.error(str(e))
+    if args.capacity_only:
+        if args.target not in names:
+            args.parser.error(f"--capacity-only needs a built-in config (nothing is built to find a config in), "
+                              f"not {args.target!r}; built-in configs: {', '.join(names)}")
+        if args.format == "html" or args.out:
+            args.parser.error("--capacity-only prints text or json (nothing is compiled, so no report files)")
+        return _capacity_only(args)
+    from dsa_dcp.inspection.capacity import LayoutError
+
+    capacity = {} if args.tp is None else {"tp_size": args.tp, **_capacity_options(args)}
     progress = Progress("inspect: ", enabled=not args.quiet)
     progress(f"compiling {args.target} for rank 0 of {args.dcp} (merge {args.merge}) in this process")
     try:
         inspection = inspect_target(args.target, dcp_size=args.dcp, merge=args.merge, interleave=args.interleave,
                                     kv_dtype=args.kv_dtype, slots=args.slots, gpu_mem_gib=args.gpu_mem,
-                                    rows=args.rows, options={"index_cache": args.index_cache})
+                                    rows=args.rows, options={"index_cache": args.index_cache}, **capacity)
+    except LayoutError as e:
+        args.parser.error(str(e))
     except Exception as e:
         ours = find_dcp_error(e)
         if ours is None:
@@ -268,6 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--gpu-mem", type=_positive_float, metavar="GiB",
                      help="memory plan: tokens that fit in this much cache memory per rank")
     insp.add_argument("--rows", type=_at_least(1), default=4, help="decode rows of the example step (built-in configs)")
+    tp = insp.add_argument_group("capacity under tensor parallelism (docs/capacity.md; from the config's shapes)")
+    tp.add_argument("--tp", type=_at_least(1), help="TP size T (a multiple of --dcp): also report weights, bytes per "
+                                                     "token and KV tokens per rank at tp T with dcp N inside it")
+    tp.add_argument("--weight-dtype", choices=("fp8", "bf16"),
+                    help="linear weights' storage (default fp8: e4m3 + 128x128 block scales, norms and embeddings bf16)")
+    tp.add_argument("--gpu", type=_gpu, metavar="h200|b300|GB",
+                    help="the GPU's memory: h200 (150.1 GB, measured), b300 (288 GB) or a size in GB (default h200)")
+    tp.add_argument("--reserve-gb", type=_non_negative_float, metavar="GB",
+                    help="memory per GPU kept for activations, CUDA graphs and buffers (default 10%% of the GPU's)")
+    tp.add_argument("--no-replicate-q", action="store_true",
+                    help="do not count the DCP group's other heads' wq_b and W_UK on each rank")
+    tp.add_argument("--capacity-only", action="store_true",
+                    help="print the memory plan and the capacity only; nothing is compiled")
     insp.set_defaults(func=_inspect, parser=insp)
     args = parser.parse_args(argv)
     if not getattr(args, "quiet", False):

@@ -185,7 +185,8 @@ def test_memory_plan_keeps_whole_interleave_blocks():
 # The schema (docs/inspect.md): every key and the type of its value.
 EXPECTED_TOP = {
     "schema": str, "target": dict, "options": dict, "compilations": int, "summary": dict, "collectives": list,
-    "dataflow": dict, "graph_input": str, "passes": list, "memory": (dict, type(None)), "note": str,
+    "dataflow": dict, "graph_input": str, "passes": list, "memory": (dict, type(None)),
+    "capacity": (dict, type(None)), "note": str,
 }
 EXPECTED_SUMMARY = {
     "sparse_attention_nodes": int, "remaps": dict, "merges": dict, "collectives": dict,

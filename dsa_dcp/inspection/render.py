@@ -234,7 +234,7 @@ def summary_rows(self: Inspection) -> list[tuple[str, str]]:
     ]
     w = s["weights"]
     if w["bytes_per_rank"] is not None:
-        rows.append(("weight bytes per rank", f"{w['bytes_per_rank']:,} (the model's parameters; "
+        rows.append(("weight bytes per rank", f"{w['bytes_per_rank']:,} (the model's parameters at tp 1; "
                      f"{w['held_by_compiled_step']:,} more held by the compiled step)"))
     return rows
 
@@ -268,10 +268,25 @@ def to_text(self: Inspection) -> str:
         lines += ["", "memory plan (from the config; nothing allocated)"]
         width = max(len(k) for k, _ in self.memory.rows()) + 2
         lines += [f"  {k:<{width}}{v}" for k, v in self.memory.rows()]
+    if self.capacity is not None:
+        lines += ["", *capacity_lines(self.capacity)]
     note = self.note
     if note:
         lines += ["", f"note: {note}"]
     return "\n".join(lines)
+
+CAPACITY_TITLE = "capacity at tp {t}, dcp {n} (from the config's shapes; nothing allocated{more})"
+
+
+def capacity_lines(plan, compiled: bool = True) -> list[str]:
+    """The capacity section of the text report (a ``capacity.CapacityPlan``); ``compiled``: the report
+    above it shows a compiled graph (which is not TP-sharded)."""
+    rows = plan.rows()
+    width = max(len(k) for k, _ in rows) + 2
+    more = "; the compiled graph above is not TP-sharded" if compiled else ""
+    return [CAPACITY_TITLE.format(t=plan.tp_size, n=plan.dcp_size, more=more)] + \
+        [f"  {k:<{width}}{v}" for k, v in rows]
+
 
 def to_html(self: Inspection) -> str:
     r, t = self.report, self.target
@@ -300,6 +315,10 @@ def to_html(self: Inspection) -> str:
         f"<td>{escape(c.dtype)}</td><td>{c.input_bytes:,}</td><td>{c.sent_bytes_per_rank:,}</td></tr>" for c in coll)
     memory = ("<h2>Memory plan</h2><p>From the config; nothing allocated.</p>" + table(self.memory.rows())
               if self.memory is not None else "")
+    if self.capacity is not None:
+        memory += (f"<h2>Capacity at tp {self.capacity.tp_size}, dcp {self.capacity.dcp_size}</h2>"
+                   "<p>From the config's shapes; nothing allocated; the compiled graph is not TP-sharded.</p>"
+                   + table(self.capacity.rows()))
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>dsa-dcp inspect {escape(str(t.get('name')))}</title>
 <style>

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dsa_dcp import registry
+from dsa_dcp.inspection.capacity import CapacityPlan
 from dsa_dcp.inspection.memory import MemoryPlan, memory_plan
 from dsa_dcp.inspection import render
 from dsa_dcp.inspection.render import jsonable
@@ -29,13 +30,15 @@ SHARE_PASS = "share_remaps"
 
 
 def inspect(compiled: Any, *, config: Any = None, kv_dtype: str = "bf16", slots: int | None = None,
-            gpu_mem_gib: float | None = None, target: dict | None = None) -> Inspection:
+            gpu_mem_gib: float | None = None, target: dict | None = None,
+            capacity: CapacityPlan | None = None) -> Inspection:
     """The ``Inspection`` of the last ``dsa_dcp`` compilation of ``compiled``.
 
     ``compiled`` is what ``torch.compile(..., backend="dsa_dcp")`` returned, or the module or
     function given to it; it must have run once (dynamo compiles on the first call). The memory
     plan is included when a ``DSAConfig`` is known: ``config`` (an object or a name), else the
-    compiled module's ``cfg`` attribute.
+    compiled module's ``cfg`` attribute. ``capacity`` (a ``capacity.capacity_plan``: weights and KV
+    tokens per rank under TP with DCP inside it) is carried into the report as it is.
     """
     reports = registry.reports_for(compiled)
     if not reports:
@@ -56,7 +59,8 @@ def inspect(compiled: Any, *, config: Any = None, kv_dtype: str = "bf16", slots:
                   "process_group": report.process_group or "unknown"}
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters()) \
         if isinstance(module, torch.nn.Module) else None
-    return Inspection(report=report, target=target, memory=plan, compilations=len(reports), weight_bytes=weight_bytes)
+    return Inspection(report=report, target=target, memory=plan, compilations=len(reports), weight_bytes=weight_bytes,
+                      capacity=capacity)
 
 
 def _describe(obj: Any) -> str:
@@ -76,6 +80,7 @@ class Inspection:
     memory: MemoryPlan | None = None
     compilations: int = 1  # compilations filed for the object (recompiles); this is the last
     weight_bytes: int | None = None  # the compiled module's parameters (None for a function)
+    capacity: CapacityPlan | None = None  # TP capacity, when asked for (``--tp``)
 
     # ------------------------------------------------------------------ data
     @functools.cached_property
@@ -194,6 +199,7 @@ class Inspection:
                 for p in r.passes
             ],
             "memory": self.memory.as_dict() if self.memory is not None else None,
+            "capacity": self.capacity.as_dict() if self.capacity is not None else None,
             "note": self.note,
         }
 

@@ -14,7 +14,8 @@ to trigger the compilation; its values are meaningless and never looked at.
 Built-in configs: a ``-tiny`` config is built for real on the CPU (tiny widths, the real layer
 count and indexer layers). A full-size config is never allocated: the model is built on the
 ``meta`` device (no storage, no weight init) and compiled on meta tensors, so its graph, shapes
-and collective bytes are those of the real widths. The memory plan is computed from the config.
+and collective bytes are those of the real widths. The memory plan is computed from the config, and so
+is the capacity under TP (``tp_size``; ``capacity.py``): the compiled graph itself is not TP-sharded.
 """
 
 from __future__ import annotations
@@ -154,22 +155,42 @@ def is_builtin(target: str) -> bool:
 
 def inspect_target(target: str, *, dcp_size: int = 2, merge: str = "a2a", interleave: int = 1,
                    kv_dtype: str = "bf16", slots: int | None = None, gpu_mem_gib: float | None = None,
-                   rows: int = 4, options: dict | None = None):
+                   rows: int = 4, options: dict | None = None, tp_size: int | None = None, **capacity: Any):
     """Compile ``target`` for rank 0 of a fake ``dcp_size``-rank group and return its ``Inspection``.
 
     Resets dynamo's caches first (each inspection is one fresh compilation). It compiles with
     ``lowering="fx"`` unless ``options`` say otherwise: the passes, and so everything inspected,
     are the same under every lowering, and the FX lowering compiles in a fraction of the time.
+
+    With ``tp_size`` the report also holds ``capacity.capacity_plan(config, tp_size, dcp_size,
+    **capacity)`` (``weight_dtype``, ``replicate_q``, ``gpu``, ``reserve_gb``), computed from the
+    target's ``DSAConfig`` before anything is compiled: a layout the config cannot be split by
+    raises ``capacity.LayoutError`` first.
     """
+    from dsa_dcp.inspection.capacity import LayoutError, capacity_plan
     from dsa_dcp.inspection.report import inspect
 
+    index_cache = (options or {}).get("index_cache", "replicated")
+    if tp_size is None and capacity:
+        raise TypeError(f"{sorted(capacity)} need tp_size (the TP size the capacity is computed for)")
+
+    def plan_for(cfg):
+        if tp_size is None:
+            return None
+        if cfg is None or not hasattr(cfg, "kv_dim"):
+            raise LayoutError(f"tp_size (--tp) needs the target's DSAConfig (a built-in config, or a module:factory "
+                              f"whose model has a cfg attribute); {target!r} has none")
+        return capacity_plan(cfg, tp_size, dcp_size, kv_dtype=kv_dtype, index_cache=index_cache, **capacity)
+
     if is_builtin(target):
-        model, inputs, cfg, how = builtin_model(target, dcp_size, interleave, rows,
-                                                (options or {}).get("index_cache", "replicated"))
+        plan = plan_for(get_config(target))
+        model, inputs, cfg, how = builtin_model(target, dcp_size, interleave, rows, index_cache)
     elif target.startswith(HF_PREFIX):
+        plan = plan_for(None)
         model, inputs, cfg, how = hf_model(target, dcp_size, interleave, rows)
     else:
         model, inputs, cfg, how = factory_model(target, dcp_size)
+        plan = plan_for(cfg)
     opts = {"dcp_size": dcp_size, "merge": merge, "interleave": interleave, "lowering": "fx", **(options or {})}
     torch._dynamo.reset()
     with fake_group(dcp_size):
@@ -178,4 +199,4 @@ def inspect_target(target: str, *, dcp_size: int = 2, merge: str = "a2a", interl
             compiled(*inputs)
     group = FAKE_GROUP_NOTE.format(n=dcp_size) if dcp_size > 1 else "none (dcp_size = 1)"
     return inspect(compiled, config=cfg, kv_dtype=kv_dtype, slots=slots, gpu_mem_gib=gpu_mem_gib,
-                   target={"name": target, "how": how, "process_group": group})
+                   target={"name": target, "how": how, "process_group": group}, capacity=plan)
