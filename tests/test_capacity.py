@@ -10,7 +10,9 @@ import contextlib
 import io
 import json
 import os
+import pathlib
 import re
+import shlex
 
 import pytest
 import torch
@@ -202,3 +204,28 @@ def test_cli_compiled_report_gains_only_the_capacity_section(monkeypatch):
         _run(["inspect", "test_inspect:make_toy", "--dcp", "2", "--tp", "2", "-q"])
     assert exit_.value.code == 2
 
+
+def _doc_rows():
+    text = pathlib.Path(HERE, "..", "docs", "capacity.md").read_text()
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) >= 9 and cells[-1].startswith("`dsa-dcp inspect "):
+            yield cells
+
+
+def test_every_row_of_the_doc_tables_is_what_its_command_prints():
+    rows = list(_doc_rows())
+    assert len(rows) == 48 + 11
+    for cells in rows:
+        argv = shlex.split(cells[-1].strip("`"))[1:]
+        model, layout, kv, index, weights, per_token, tokens, ratio = cells[:8]
+        data = json.loads(_run([*argv, "--format", "json", "-q"]))["capacity"]
+        assert (data["config"], f"{data['tp_size']} x {data['dcp_size']}", data["kv_dtype"]) == \
+            (model, layout, kv), cells
+        assert index == ("-" if data["dcp_size"] == 1 else data["index_cache"]), cells
+        assert weights == f"{data['weight_bytes_per_rank'] / GB:.2f} GB", cells
+        num = lambda x: f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
+        assert per_token == (f"{num(data['kv_bytes_per_token_per_rank'])} + "
+                             f"{num(data['index_bytes_per_token_per_rank'])} = {num(data['bytes_per_token_per_rank'])}")
+        assert tokens == f"{data['kv_tokens']:,}", cells
+        assert ratio == ("1 (baseline)" if data["dcp_size"] == 1 else f"{data['capacity_vs_tp_alone']:.2f}x"), cells
