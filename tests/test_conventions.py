@@ -152,7 +152,7 @@ _LOGGED_COMPILE = textwrap.dedent("""
     cfg = get_config("deepseek-v3.2-tiny", n_layers=1)
     inputs, num_slots = decode_step_inputs(cfg, 2, 7, "cpu")
     with fake_group(2), torch.no_grad():
-        dsa_dcp.compile(DSAModel(cfg, num_slots, dcp_size=2), dcp_size=2)(*inputs)
+        dsa_dcp.compile(DSAModel(cfg, num_slots, dcp_size=2), dcp_size=2, lowering="fx")(*inputs)  # the passes log
 """)
 
 

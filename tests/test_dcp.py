@@ -146,7 +146,7 @@ def _check_caches_are_split(cfg, batch, ref_caches, rank_caches, world, interlea
 
 
 def _misconfigured_rank(rank, world):
-    cfg, batch = _setup("glm5.2-tiny")
+    cfg, batch = _setup("glm5.2-tiny", layers=1)  # refused before any layer matters
     rows = torch.zeros(ROWS, dtype=torch.int64)
     inputs = (rows, rows - 1, rows, rows - 1, batch.page_table)
     cases = {
