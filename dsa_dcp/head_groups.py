@@ -4,6 +4,8 @@
 ``lse_words`` trailing elements of the output's dtype) into slice ``j`` of one tensor, so one
 all-to-all (or all-gather) moves both; ``unpack_head_groups`` reads what arrived. The merge
 strategies (``merge.py``) and the composed reference of the fused merge op (``ops.py``) share it.
+``gather_query_heads`` is the other direction, for layers that hold a TP shard of the heads: the
+DCP group's query heads, laid out so that head group ``j`` is rank ``j``'s.
 """
 
 from __future__ import annotations
@@ -36,3 +38,12 @@ def unpack_head_groups(received: Tensor, head_dim: int) -> tuple[Tensor, Tensor]
     out = received[..., :head_dim]
     lse = received[..., head_dim:].contiguous().view(torch.float32).squeeze(-1)
     return out, lse
+
+
+def gather_query_heads(gathered: Tensor, dcp_size: int) -> Tensor:
+    """An all-gather's ``[N * B, G, D]`` (rank ``j``'s ``[B, G, D]`` query heads at rows ``j*B``) as
+    ``[B, N * G, D]``: rank ``j``'s heads become head group ``j``, the group ``pack_head_groups``
+    sends back to rank ``j``."""
+    b = gathered.shape[0] // dcp_size
+    return gathered.reshape(dcp_size, b, *gathered.shape[1:]).transpose(0, 1).reshape(
+        b, dcp_size * gathered.shape[1], *gathered.shape[2:])

@@ -10,7 +10,10 @@ Leaves, for each attention node ``(out, lse) = attn(q_nope, q_pe, kv, topk, scal
 
 For the head-sharded merges the layer's epilogue is sharded too (``match/epilogue.py``, sharded by ``head_shard.py``). A
 layer whose epilogue cannot be sharded (or whose model reads the LSE) merges with ``ag`` instead,
-with a warning naming the node. ``check`` returns the plan (a ``LayerPlan`` per attention node)
+with a warning naming the node. A layer that holds a tensor-parallel shard of the heads (its output
+projection summed over a TP group: ``tensor_parallel.py``) attends with the DCP group's all-gathered
+query heads and keeps the merged output of its own heads; its epilogue and all-reduce stay as the
+model wrote them. ``check`` returns the plan (a ``LayerPlan`` per attention node)
 that ``run`` carries out; a graph it refuses is left untouched. Layers that share a top-k tensor get
 one remap each here; ``share_remaps`` merges them.
 """
@@ -24,14 +27,15 @@ import torch.fx as fx
 
 from dsa_dcp.debug_checks import check_step
 from dsa_dcp.kv_cache import kv_layout
-from dsa_dcp.merge import MERGES, MergeSite, MergeStrategy
-from dsa_dcp.ops import TOPK_REMAP
+from dsa_dcp.merge import MERGES, MergeSite, MergeStrategy, head_slice
+from dsa_dcp.ops import SPARSE_MLA, TOPK_REMAP
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
-from dsa_dcp.passes.fx import Emitter, alias_base, getitem_users, placeholder_values, recorded_layer
+from dsa_dcp.passes.fx import Emitter, alias_base, getitem_users, placeholder_values, recorded_layer, refresh_meta
 from dsa_dcp.passes.graph import sparse_attention_nodes
 from dsa_dcp.passes.head_shard import shard
 from dsa_dcp.passes.match.epilogue import HeadEpilogue
+from dsa_dcp.passes.tensor_parallel import TPSite, gather_group_query, group_problems, tp_site, unplaced_collectives
 
 ALL_GATHER = MERGES["ag"]
 
@@ -45,6 +49,7 @@ class LayerPlan:
     merge: MergeStrategy
     epilogue: HeadEpilogue | None = None
     fallback: str | None = None  # why this layer merges with ag instead of the option's merge
+    tp: TPSite | None = None  # the layer holds H/T heads of this TP group
 
 
 @dataclasses.dataclass
@@ -66,9 +71,21 @@ class DCPRewrite(DCPPass):
         plan = RewritePlan()
         if ctx.group_name is None:
             plan.problems.append("dcp_size > 1 needs a process group to merge over")
-        for attn in sparse_attention_nodes(gm.graph):
+        attention = sparse_attention_nodes(gm.graph)
+        for attn in attention:
             self._plan_layer(attn, ctx, plan)
-        plan.all_gathers = [layer.attn.name for layer in plan.layers if layer.merge.all_gathers]
+        placed = {layer.tp.all_reduce for layer in plan.layers if layer.tp is not None}
+        unplaced = unplaced_collectives(gm, placed) if attention else []
+        if unplaced:
+            plan.problems.append(
+                f"the model's graph has collectives the DCP rewrite cannot place ({', '.join(unplaced)}): a layer is "
+                f"taken as tensor-parallel only when its attention output reaches its output projection through the "
+                f"per-head epilogue and that projection is summed over a group (all_reduce 'sum'); any other "
+                f"collective could mean heads the merge would mix up")
+        if len({layer.tp.group_name for layer in plan.layers if layer.tp is not None}) > 1:
+            plan.problems.append("the layers sum their output projections over different process groups; DCP needs "
+                                 "one TP group for the step")
+        plan.all_gathers = [layer.attn.name for layer in plan.layers if layer.merge.all_gathers or layer.tp]
         return plan
 
     def _plan_layer(self, attn: fx.Node, ctx: CompileContext, plan: RewritePlan) -> None:
@@ -82,6 +99,13 @@ class DCPRewrite(DCPPass):
             plan.problems.append(f"{attn.name} has a symbolic head count or head dim ({heads}, {head_dim}); "
                                  f"DCP needs them static{where(attn)}")
             return
+        items = dict(getitem_users(attn))
+        whole = len(items) != len(attn.users)
+        epilogue = HeadEpilogue.match(items[0]) if 0 in items and not whole else None
+        tp = tp_site(epilogue.linear) if epilogue is not None else None
+        if tp is not None:
+            self._plan_tp_layer(attn, layer, strategy, tp, ctx, plan)
+            return
         if not strategy.head_sharded:
             plan.layers.append(LayerPlan(attn, layer, strategy))
             return
@@ -90,13 +114,11 @@ class DCPRewrite(DCPPass):
                 f"merge={strategy.name!r} shards heads over the group, but {attn.name} has {heads} heads, "
                 f"not divisible by dcp_size={n}; use merge='ag' or a dcp_size that divides {heads}{where(attn)}")
             return
-        items = dict(getitem_users(attn))
-        if len(items) != len(attn.users):
+        if whole:
             reason = "its (out, lse) result is used whole"
         elif 1 in items and items[1].users:
             reason = "the model reads its LSE, and a head-sharded merge leaves each rank the LSE of its own heads"
         else:
-            epilogue = HeadEpilogue.match(items[0]) if 0 in items else None
             if epilogue is not None:
                 plan.layers.append(LayerPlan(attn, layer, strategy, epilogue))
                 return
@@ -108,6 +130,18 @@ class DCPRewrite(DCPPass):
         plan.layers.append(LayerPlan(attn, layer, ALL_GATHER, fallback=fallback))
         plan.warnings.append(fallback)
 
+    @staticmethod
+    def _plan_tp_layer(attn: fx.Node, layer: int | None, strategy: MergeStrategy, tp: TPSite, ctx: CompileContext,
+                       plan: RewritePlan) -> None:
+        problems = group_problems(tp, ctx.group_name, ctx.dcp_size, where(attn))
+        if attn.target is not SPARSE_MLA:
+            problems.append(f"{attn.name} holds a tensor-parallel shard of the heads; DCP inside TP takes the MLA "
+                            f"attention (sparse_mla) only{where(attn)}")
+        for problem in problems:  # once per TP group, not once per layer
+            if problem not in plan.problems:
+                plan.problems.append(problem)
+        plan.layers.append(LayerPlan(attn, layer, strategy, tp=tp))
+
     def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: RewritePlan) -> dict:
         collectives = 0
         checks = _DebugChecks(gm, ctx) if ctx.options.debug_checks else None
@@ -118,6 +152,7 @@ class DCPRewrite(DCPPass):
             "remaps_inserted": len(plan.layers),
             "merge": ctx.options.merge,
             "layers_merged_with_ag": [l.attn.name for l in plan.layers if l.fallback],
+            "tp_layers": sum(1 for l in plan.layers if l.tp is not None),
             "collectives_inserted": collectives,
         }
 
@@ -131,7 +166,11 @@ class DCPRewrite(DCPPass):
             if checks is not None:
                 checks.insert(topk, kv, index)
             local = emit(operator.getitem, emit(TOPK_REMAP, topk, n, ctx.rank, ctx.options.interleave), 0)
+            if layer.tp is not None:  # the DCP group's heads: each rank's H/T, in DCP-rank order
+                q_nope, q_pe = gather_group_query(emit, q_nope, q_pe, n, ctx.group_name)
         attn.args = (q_nope, q_pe, kv, local, scale)
+        if layer.tp is not None:
+            refresh_meta([attn])
 
         old = dict(getitem_users(attn))
         with graph.inserting_before(attn.next):  # keeps the new nodes in creation order
@@ -143,6 +182,8 @@ class DCPRewrite(DCPPass):
             combined = layer.merge.emit(emit, out_r, lse_r, site)
             new_out = emit(operator.getitem, combined, 0)
             new_lse = emit(operator.getitem, combined, 1)
+            if layer.tp is not None and not layer.merge.head_sharded:  # all N*H/T heads merged: keep this rank's
+                new_out, new_lse = (emit(head_slice, value, n, ctx.rank) for value in (new_out, new_lse))
         for i, replacement in ((0, new_out), (1, new_lse)):
             if i in old:
                 old[i].replace_all_uses_with(replacement)
@@ -152,7 +193,7 @@ class DCPRewrite(DCPPass):
             if checks is not None:
                 with graph.inserting_before(all_reduce):
                     checks.insert(topk, kv, index)
-        return layer.merge.collectives + (1 if layer.epilogue is not None else 0)
+        return layer.merge.collectives + (1 if layer.epilogue is not None or layer.tp is not None else 0)
 
 
 class _DebugChecks:

@@ -94,6 +94,21 @@ def op_name(node: object) -> str | None:
     return _SPELLINGS.get(name, name)
 
 
+def c10d_name(node: object) -> str | None:
+    """The functional collective a node calls (``"all_reduce"``, ``"wait_tensor"``, ...), spelled as
+    an overload (what the passes insert) or as its packet (what dynamo records for a model's own
+    ``funcol.all_reduce`` or ``dist.all_reduce``); ``None`` for anything else."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    if not isinstance(target, torch._ops.OpOverloadPacket):
+        return None
+    namespace, name = target._qualified_op_name.split("::")
+    return name if namespace == "_c10d_functional" else None
+
+
 def calls(node: object, functions=(), methods=()) -> bool:
     """``node`` is a ``call_function`` of one of ``functions`` or a ``call_method`` of one of ``methods``."""
     if not isinstance(node, fx.Node):

@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 
 from dsa_dcp import merge
+from dsa_dcp.passes import fx as F
 from dsa_dcp.ops import FUSED_A2A_MERGE, FUSED_REMAPS, KV_STORE, LSE_COMBINE, SPARSE_ATTENTION_OPS, TOPK_REMAP
 from dsa_dcp.ops_positions import POSITION_STORE
 
@@ -17,13 +18,7 @@ def sparse_attention_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 def is_collective(node: fx.Node) -> bool:
     """A functional collective that moves data (its ``wait_tensor`` is not counted)."""
-    target = node.target
-    return (
-        node.op == "call_function"
-        and isinstance(target, torch._ops.OpOverload)
-        and target.namespace == "_c10d_functional"
-        and target is not torch.ops._c10d_functional.wait_tensor.default
-    )
+    return F.c10d_name(node) not in (None, "wait_tensor")
 
 
 # A fused merge (exchange + combine in one op, ``merge="fused_a2a"``) is a merge that is also a
