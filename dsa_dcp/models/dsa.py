@@ -14,12 +14,38 @@ Padding rows have ``slots = -1`` and ``positions = -1``: they write nothing, the
 ``-1`` and their attention output is 0. ``page_table[r, j]`` is the page holding positions
 ``[j*P, (j+1)*P)`` of request ``r`` (``-1`` = not allocated); slot of position ``p`` is
 ``page_table[r, p // P] * P + p % P``.
+
+Tensor parallelism (``DSAModel(..., tp_size=T)`` or ``tp_group=``): each TP rank holds ``H / T``
+query heads, i.e. its rows of ``wq_b`` (column-parallel), its heads of ``w_uk`` / ``w_uv``, and its
+columns of ``w_o`` (row-parallel), whose output is summed over the TP group; the SwiGLU MLP is
+column-parallel (``w_gate``, ``w_up``) then row-parallel (``w_down``) with its own sum. The
+embedding and the LM head are replicated (every rank gets the whole vocabulary's logits), and so
+are the MLA latent KV cache (one KV head) and the indexer (every rank scores all index heads, as
+published inference code does). ``shard_for_tp`` slices an unsharded model's weights into a
+rank's shard; a TP model drawn from ``seed`` holds exactly that shard of the unsharded model of
+the same seed. ``tp_size=1`` is the single-device model: same parameters, same graph, no
+collective.
+
+The sums are ``torch.distributed._functional_collectives.all_reduce(x, "sum", group_name)``: a
+functional collective (a new tensor, no in-place write to a graph value) named by the group's
+``group_name`` string, so dynamo traces it with ``fullgraph=True`` into
+``_c10d_functional.all_reduce`` + ``wait_tensor`` nodes, the same form as the DCP passes' own
+collectives (``docs/dcp.md``), which runs on gloo and NCCL alike; eager code gets the same values
+(an ``AsyncCollectiveTensor`` that waits at its first use). The in-place ``dist.all_reduce`` also
+traces (dynamo rewrites it into this functional form, as the plain model relies on), but writes
+into a graph value. A string rather than the ``ProcessGroup`` object keeps the module's state
+plain (a constant for dynamo, nothing to guard on).
 """
 
 from __future__ import annotations
 
 
+from dataclasses import dataclass
+from typing import Mapping
+
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -34,7 +60,99 @@ KV_STORE = torch.ops.dsa_dcp.kv_store.default
 SPARSE_MLA = torch.ops.dsa_dcp.sparse_mla.default
 
 __all__ = ["DSAModel", "DSALayer", "MLAAttention", "LightningIndexer", "SwiGLU", "RMSNorm",
-           "rope_inv_freq", "apply_rope"]
+           "TensorParallel", "check_tp_size", "shard_for_tp", "rope_inv_freq", "apply_rope"]
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in its TP group: ``size`` ranks, this one ``rank``; ``group_name`` names
+    the group for the functional collectives (None when ``size == 1``)."""
+
+    size: int = 1
+    rank: int = 0
+    group_name: str | None = None
+
+
+SINGLE = TensorParallel()
+
+# Parameters split over the TP ranks, by leaf name -> the dim split (head-major or MLP columns).
+# Every other parameter (wq_a, wkv_a, the norms, the indexer, embed, lm_head) is replicated.
+TP_SPLIT_DIMS = {"wq_b": 0, "w_uk": 0, "w_uv": 0, "w_o": 1, "w_gate": 0, "w_up": 0, "w_down": 1}
+
+
+def check_tp_size(cfg: DSAConfig, tp_size: int) -> None:
+    """Refuse a TP size that does not split the heads and the MLP evenly (``ValueError``)."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    problems = [f"{name}={value}" for name, value in (("n_heads", cfg.n_heads),
+                                                      ("intermediate_size", cfg.intermediate_size))
+                if value % tp_size]
+    if problems:
+        raise ValueError(f"tp_size={tp_size} does not divide {' and '.join(problems)} of {cfg.name!r}: each TP rank "
+                         f"holds n_heads / tp_size query heads and intermediate_size / tp_size MLP columns")
+
+
+def _resolve_tp(cfg: DSAConfig, tp_size: int | None, tp_group) -> TensorParallel:
+    if tp_size is not None:
+        check_tp_size(cfg, tp_size)
+    if tp_group is None:
+        if tp_size is None or tp_size == 1:
+            return SINGLE
+        if not dist.is_initialized():
+            raise ValueError(f"tp_size={tp_size} needs an initialized process group (torch.distributed), "
+                             f"or tp_group=")
+        world = dist.get_world_size()
+        if world != tp_size:
+            raise ValueError(f"tp_size={tp_size} in a world of {world} rank(s): the TP group defaults to the whole "
+                             f"world; pass tp_group= (e.g. dist.new_group(ranks)) for a group of {tp_size}")
+        tp_group = dist.group.WORLD
+    if not dist.is_initialized():
+        raise ValueError("tp_group= needs an initialized process group (torch.distributed)")
+    size, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of tp_group")
+    if tp_size is not None and tp_size != size:
+        raise ValueError(f"tp_size={tp_size} but tp_group has {size} rank(s)")
+    check_tp_size(cfg, size)
+    return TensorParallel(size, rank, tp_group.group_name) if size > 1 else SINGLE
+
+
+def _tp_sum(x: Tensor, tp: TensorParallel) -> Tensor:
+    """Sum of the TP ranks' partial results (the identity at ``tp.size == 1``)."""
+    if tp.size == 1:
+        return x
+    return funcol.all_reduce(x, "sum", tp.group_name)
+
+
+def _tp_slice(name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+    dim = TP_SPLIT_DIMS.get(name.rsplit(".", 1)[-1])
+    if dim is None or tp_size == 1:
+        return full
+    if full.shape[dim] % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide dim {dim} of {name} (shape {tuple(full.shape)})")
+    part = full.shape[dim] // tp_size
+    return full.narrow(dim, tp_rank * part, part)
+
+
+def shard_for_tp(full: "DSAModel | Mapping[str, Tensor]", tp_rank: int, tp_size: int) -> dict[str, Tensor]:
+    """TP rank ``tp_rank``'s state dict, sliced out of an unsharded ``DSAModel`` or its state dict.
+
+    Split parameters (``TP_SPLIT_DIMS``) keep this rank's contiguous ``1 / tp_size`` block of their
+    split dim (heads ``[r * H/T, (r+1) * H/T)``, MLP columns likewise); the rest are kept whole.
+    Load it with ``load_state_dict`` into a ``DSAModel`` of that TP rank (``load_unsharded`` does both).
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    if isinstance(full, DSAModel):
+        if full.tp.size != 1:
+            raise ValueError(f"shard_for_tp needs the unsharded model; this one is TP rank {full.tp.rank} "
+                             f"of {full.tp.size}")
+        check_tp_size(full.cfg, tp_size)
+        full = full.state_dict()
+    return {name: _tp_slice(name, t, tp_rank, tp_size).clone() for name, t in full.items()}
 
 
 # ---------------------------------------------------------------------- small pieces
@@ -68,16 +186,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class SwiGLU(nn.Module):
-    """Dense SwiGLU MLP standing in for DeepSeek/GLM's MoE (the DCP rewrite never touches it)."""
+    """Dense SwiGLU MLP standing in for DeepSeek/GLM's MoE (the DCP rewrite never touches it).
+    Under TP each rank holds ``intermediate_size / T`` columns and the output is summed."""
 
-    def __init__(self, cfg: DSAConfig) -> None:
+    def __init__(self, cfg: DSAConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.w_gate = nn.Parameter(torch.empty(cfg.intermediate_size, cfg.hidden_size))
-        self.w_up = nn.Parameter(torch.empty(cfg.intermediate_size, cfg.hidden_size))
-        self.w_down = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
+        self.tp = tp
+        inter = cfg.intermediate_size // tp.size  # column-parallel w_gate / w_up, row-parallel w_down
+        self.w_gate = nn.Parameter(torch.empty(inter, cfg.hidden_size))
+        self.w_up = nn.Parameter(torch.empty(inter, cfg.hidden_size))
+        self.w_down = nn.Parameter(torch.empty(cfg.hidden_size, inter))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
+        return _tp_sum(F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down), self.tp)
 
 
 # ---------------------------------------------------------------------- indexer
@@ -145,14 +266,17 @@ class MLAAttention(nn.Module):
     """Multi-head latent attention, absorbed decode form, over the top-k slots.
 
     The epilogue is kept in exactly the form the DCP merge pass pattern-matches to shard by
-    heads: ``einsum("thc,hcv->thv", out, w_uv)`` -> ``flatten(1)`` -> ``linear(., w_o)``.
+    heads: ``einsum("thc,hcv->thv", out, w_uv)`` -> ``flatten(1)`` -> ``linear(., w_o)`` (under
+    TP followed by the sum over the TP group). Under TP the layer holds ``n_local_heads = H / T``
+    heads; the latent KV cache and the indexer are whole.
     """
 
-    def __init__(self, cfg: DSAConfig, layer: int) -> None:
+    def __init__(self, cfg: DSAConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer = layer
-        h = cfg.n_heads
+        self.tp = tp
+        self.n_local_heads = h = cfg.n_heads // tp.size
         self.wq_a = nn.Parameter(torch.empty(cfg.q_lora_rank, cfg.hidden_size))
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
         self.wq_b = nn.Parameter(torch.empty(h * cfg.qk_head_dim, cfg.q_lora_rank))
@@ -174,7 +298,7 @@ class MLAAttention(nn.Module):
         dc = cfg.kv_lora_rank
 
         q_a = self.q_a_norm(F.linear(x, self.wq_a))
-        q = F.linear(q_a, self.wq_b).view(t, cfg.n_heads, cfg.qk_head_dim)
+        q = F.linear(q_a, self.wq_b).view(t, self.n_local_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin)
 
@@ -192,16 +316,16 @@ class MLAAttention(nn.Module):
         o = torch.einsum("thc,hcv->thv", out, self.w_uv)
         o = o.flatten(1)
         o = torch.nn.functional.linear(o, self.w_o)
-        return o, topk
+        return _tp_sum(o, self.tp), topk
 
 
 class DSALayer(nn.Module):
-    def __init__(self, cfg: DSAConfig, layer: int) -> None:
+    def __init__(self, cfg: DSAConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = MLAAttention(cfg, layer)
+        self.attn = MLAAttention(cfg, layer, tp)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = SwiGLU(cfg, tp)
 
     def forward(self, h: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor, page_table: Tensor,
                 topk: Tensor | None, rope: tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
@@ -233,18 +357,26 @@ class DSAModel(nn.Module):
 
     Buffers (non-persistent): ``layers[i].attn.kv_cache`` for every layer,
     ``layers[i].attn.indexer.index_cache`` for indexer layers.
+
+    Tensor parallelism (module docstring): ``tp_size=T`` splits the model over the whole world
+    (which must have T ranks), ``tp_group=`` over the given process group (several TP groups can
+    sit side by side in one world); ``model.tp`` is this rank's ``TensorParallel``. The seeded
+    weights are this TP rank's shard of the unsharded model of the same seed;
+    ``load_unsharded(full)`` loads the shard of any unsharded model's weights.
     """
 
     def __init__(self, cfg: DSAConfig, num_slots: int, *, kv_rows: int | None = None, dcp_size: int = 1,
                  interleave: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 seed: int = 0, index_cache: str = "replicated") -> None:
+                 seed: int = 0, index_cache: str = "replicated", tp_size: int | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.cfg = cfg
         self.num_slots = num_slots
+        self.tp = _resolve_tp(cfg, tp_size, tp_group)
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DSALayer(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DSALayer(cfg, i, self.tp) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self._init_weights(seed)
@@ -257,18 +389,29 @@ class DSAModel(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
+        # Drawn at the unsharded shapes, then sliced: a TP rank holds its shard of the seed's model.
         gen = torch.Generator(device="cpu").manual_seed(seed)
+        tp = self.tp
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
+            shape = list(p.shape)
+            if leaf in TP_SPLIT_DIMS:
+                shape[TP_SPLIT_DIMS[leaf]] *= tp.size
             if name.endswith("norm.weight"):  # RMSNorm / LayerNorm gains near 1
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                value = 1.0 + 0.1 * torch.randn(shape, generator=gen)
             elif name.endswith("norm.bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+                value = 0.1 * torch.randn(shape, generator=gen)
             elif leaf == "embed":
-                p.copy_(torch.randn(p.shape, generator=gen))
+                value = torch.randn(shape, generator=gen)
             else:  # projections: unit gain over the contracted dim
-                fan_in = {"w_uk": p.shape[-1], "w_uv": p.shape[1]}.get(leaf, p.shape[-1])
-                p.copy_(torch.randn(p.shape, generator=gen) * fan_in**-0.5)
+                fan_in = {"w_uk": shape[-1], "w_uv": shape[1]}.get(leaf, shape[-1])
+                value = torch.randn(shape, generator=gen) * fan_in**-0.5
+            p.copy_(_tp_slice(name, value, tp.rank, tp.size))
+
+    def load_unsharded(self, full: "DSAModel | Mapping[str, Tensor]") -> "DSAModel":
+        """Load this TP rank's shard (``shard_for_tp``) of an unsharded model's weights; returns self."""
+        self.load_state_dict(shard_for_tp(full, self.tp.rank, self.tp.size))
+        return self
 
     # ------------------------------------------------------------------ caches
     def allocate_caches(self, *, dcp_size: int = 1, interleave: int = 1, kv_rows: int | None = None,

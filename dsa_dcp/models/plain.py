@@ -31,6 +31,25 @@ Published code varies in small ways the DCP rewrite must take; each is a field o
   ``"broadcast"``: ``dist.broadcast`` of it from rank 0 when a process group is up); compile such
   a model without ``fullgraph``.
 
+Tensor and expert parallelism as the published code has them (``ModelArgs.tensor_parallel``, off
+by default: the DCP tests build this model inside gloo worlds and mean one device): the
+``Transformer`` reads ``world_size`` and ``rank`` from ``torch.distributed`` when it is built,
+as the published code does under ``torchrun``, and every parallel module keeps the values it was
+built with. ``ColumnParallelLinear`` holds its rank's ``1 / world_size`` of the output features,
+``RowParallelLinear`` its share of the input features and all-reduces its output
+(``dist.all_reduce``, which dynamo traces as a functional collective), the heads split
+``n_local_heads = n_heads // world_size`` (``wq_b``, ``wkv_b`` column-parallel, ``wo``
+row-parallel), the MLP is column- then row-parallel, ``ParallelEmbedding`` holds a slice of the
+vocabulary (rows of other ranks masked to 0, then all-reduced), and the column-parallel head's
+logits are all-gathered. The indexer and the caches are whole on every rank. With
+``n_routed_experts > 0`` every layer from ``n_dense_layers`` on has an expert-parallel ``MoE``:
+rank r holds experts ``[r * E / W, (r + 1) * E / W)``, the gate is replicated, each local expert
+runs on every row weighted by its routing weight (0 where the row is not routed to it: no
+data-dependent control flow, so the step traces with ``fullgraph=True``), and the experts' sum is
+all-reduced; the shared experts are a tensor-parallel ``MLP``. ``load_unsharded(model,
+state_dict)`` loads a rank's shard of an unsharded model's weights. ``world_size == 1`` is the
+one-device model as before.
+
 ``generate`` is the published ``generate.py`` loop: batched prompts of different lengths,
 a prefill of the shortest prompt, then one position per step for every request (prompt tokens
 fed as they are until each prompt is used up), greedy.
@@ -44,7 +63,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-world_size = 1  # tensor parallelism of the published code; this reference runs on one device
+# Tensor parallelism of the published code: set by Transformer.__init__ (1 and 0 unless
+# ModelArgs.tensor_parallel), read by the parallel modules when they are built.
+world_size = 1
+rank = 0
 
 
 @dataclasses.dataclass
@@ -71,13 +93,29 @@ class ModelArgs:
     softmax_cast: bool = False
     mask_add: str = "inplace"  # or "out_of_place"
     topk_break: str = ""  # "", "assert", "broadcast"
+    # tensor parallelism over the default process group's ranks (module docstring)
+    tensor_parallel: bool = False
+    # expert-parallel MoE (0 routed experts: a dense MLP in every layer)
+    n_routed_experts: int = 0
+    n_activated_experts: int = 2
+    n_shared_experts: int = 1
+    moe_inter_dim: int = 16
+    n_dense_layers: int = 1  # layers [0, n_dense_layers) keep the dense MLP
+    score_func: str = "softmax"  # or "sigmoid" (weights renormalized over the chosen experts)
+    route_scale: float = 1.0
 
     def __post_init__(self):
         forms = {"cache_cast": ("", "float", "to", "type_as"), "mask_add": ("inplace", "out_of_place"),
-                 "topk_break": ("", "assert", "broadcast")}
+                 "topk_break": ("", "assert", "broadcast"), "score_func": ("softmax", "sigmoid")}
         for name, allowed in forms.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelArgs.{name}={getattr(self, name)!r}; allowed: {allowed}")
+        if self.n_routed_experts and not 1 <= self.n_activated_experts <= self.n_routed_experts:
+            raise ValueError(f"ModelArgs.n_activated_experts={self.n_activated_experts} must be in "
+                             f"[1, n_routed_experts={self.n_routed_experts}]")
+        if self.n_routed_experts < 0 or self.n_shared_experts < 0:
+            raise ValueError(f"ModelArgs.n_routed_experts={self.n_routed_experts} and n_shared_experts="
+                             f"{self.n_shared_experts} must be >= 0")
 
 
 def tiny_args(**overrides) -> ModelArgs:
@@ -95,17 +133,61 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-ColumnParallelLinear = Linear  # world_size == 1: the column shard is the whole weight
+def _part(what: str, n: int) -> int:
+    """``n / world_size``, refusing a remainder (the published code asserts)."""
+    if n % world_size:
+        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel world_size={world_size}")
+    return n // world_size
+
+
+class ColumnParallelLinear(Linear):
+    """This rank's ``out_features / world_size`` output features (rows ``[rank * part, (rank + 1) * part)``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
+        part = _part("out_features", out_features)
+        super().__init__(in_features, part, bias, dtype)
+        self.part_out_features, self.world_size, self.rank = part, world_size, rank
 
 
 class RowParallelLinear(Linear):
+    """This rank's ``in_features / world_size`` input features; the output is all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
+        part = _part("in_features", in_features)
+        super().__init__(part, out_features, bias, dtype)
+        self.part_in_features, self.world_size, self.rank = part, world_size, rank
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        if world_size > 1:
+        if self.world_size > 1:
             torch.distributed.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y.type_as(x)
+
+
+class ParallelEmbedding(nn.Module):
+    """This rank's ``vocab_size / world_size`` rows of the embedding; other ranks' tokens give 0
+    here, and the all-reduce puts every token's row together."""
+
+    def __init__(self, vocab_size: int, dim: int, dtype=None):
+        super().__init__()
+        self.part_vocab_size = _part("vocab_size", vocab_size)
+        self.world_size, self.rank = world_size, rank
+        self.vocab_start_idx = rank * self.part_vocab_size
+        self.vocab_end_idx = self.vocab_start_idx + self.part_vocab_size
+        self.weight = nn.Parameter(torch.empty(self.part_vocab_size, dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            mask = (x < self.vocab_start_idx) | (x >= self.vocab_end_idx)
+            x = x - self.vocab_start_idx
+            x[mask] = 0
+        y = F.embedding(x, self.weight)
+        if self.world_size > 1:
+            y[mask] = 0
+            torch.distributed.all_reduce(y)
+        return y
 
 
 class RMSNorm(nn.Module):
@@ -178,7 +260,7 @@ class Indexer(nn.Module):
 class MLA(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.n_local_heads = args.n_heads // world_size
+        self.n_local_heads = _part("n_heads", args.n_heads)
         self.kv_lora_rank = args.kv_lora_rank
         self.qk_nope_head_dim = args.qk_nope_head_dim
         self.qk_rope_head_dim = args.qk_rope_head_dim
@@ -281,11 +363,85 @@ class MLP(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class Block(nn.Module):
+class Gate(nn.Module):
+    """Replicated top-k router: ``(weights[T, k], indices[T, k])`` of each row's experts."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.topk = args.n_activated_experts
+        self.score_func = args.score_func
+        self.route_scale = args.route_scale
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=args.dtype))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x, self.weight)
+        if self.score_func == "softmax":
+            scores = scores.softmax(dim=-1, dtype=torch.float32)
+        else:
+            scores = scores.sigmoid()
+        indices = torch.topk(scores, self.topk, dim=-1)[1]
+        weights = scores.gather(1, indices)
+        if self.score_func == "sigmoid":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights * self.route_scale).type_as(x), indices
+
+
+class Expert(nn.Module):
+    """One routed expert: a SwiGLU MLP held whole by the rank that owns it."""
+
+    def __init__(self, dim: int, inter_dim: int, dtype=None):
+        super().__init__()
+        self.w1 = Linear(dim, inter_dim, dtype=dtype)
+        self.w2 = Linear(inter_dim, dim, dtype=dtype)
+        self.w3 = Linear(dim, inter_dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Expert-parallel MoE: this rank's experts ``[rank * E / W, (rank + 1) * E / W)`` (the others
+    are ``None`` in ``experts``), a replicated gate, tensor-parallel shared experts."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dim = args.dim
+        self.n_routed_experts = args.n_routed_experts
+        self.n_local_experts = _part("n_routed_experts", args.n_routed_experts)
+        self.world_size = world_size
+        self.experts_start_idx = rank * self.n_local_experts
+        self.experts_end_idx = self.experts_start_idx + self.n_local_experts
+        self.gate = Gate(args)
+        self.experts = nn.ModuleList(
+            Expert(args.dim, args.moe_inter_dim, dtype=args.dtype)
+            if self.experts_start_idx <= i < self.experts_end_idx else None for i in range(args.n_routed_experts))
+        self.shared_experts = (MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, dtype=args.dtype)
+                               if args.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.size()
+        x = x.view(-1, self.dim)
+        weights, indices = self.gate(x)
+        # every local expert on every row, weighted by the row's routing weight for it (0 if not chosen):
+        # no data-dependent branch or row selection, so the step traces with fullgraph=True
+        route = torch.zeros(x.shape[0], self.n_routed_experts, dtype=weights.dtype, device=x.device)
+        route = route.scatter(1, indices, weights)
+        y = torch.zeros_like(x)
+        for i in range(self.experts_start_idx, self.experts_end_idx):
+            y = y + self.experts[i](x) * route[:, i, None]
+        if self.world_size > 1:
+            torch.distributed.all_reduce(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
+        super().__init__()
         self.attn = MLA(args)
-        self.ffn = MLP(args.dim, args.inter_dim, dtype=args.dtype)
+        self.ffn = (MoE(args) if args.n_routed_experts and layer_id >= args.n_dense_layers
+                    else MLP(args.dim, args.inter_dim, dtype=args.dtype))
         self.attn_norm = RMSNorm(args.dim)
         self.ffn_norm = RMSNorm(args.dim)
 
@@ -296,10 +452,16 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
+        global world_size, rank
+        parallel = args.tensor_parallel and torch.distributed.is_initialized()
+        world_size = torch.distributed.get_world_size() if parallel else 1
+        rank = torch.distributed.get_rank() if parallel else 0
         super().__init__()
         self.max_seq_len = args.max_seq_len
-        self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=args.dtype)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.world_size = world_size
+        self.embed = (ParallelEmbedding(args.vocab_size, args.dim, dtype=args.dtype) if world_size > 1
+                      else nn.Embedding(args.vocab_size, args.dim, dtype=args.dtype))  # one device: as before
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim)
         self.head = ColumnParallelLinear(args.dim, args.vocab_size, dtype=args.dtype)
         cos, sin = precompute_freqs(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta)
@@ -315,7 +477,42 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, start_pos, cos, sin, mask)
         h = self.norm(h)
-        return self.head(h[:, -1]).float()
+        if self.world_size == 1:
+            return self.head(h[:, -1]).float()
+        logits = self.head(h[:, -1])  # this rank's vocabulary columns: gathered from every rank
+        all_logits = [torch.empty_like(logits) for _ in range(self.world_size)]
+        torch.distributed.all_gather(all_logits, logits)
+        return torch.cat(all_logits, dim=-1).float()
+
+
+@torch.no_grad()
+def load_unsharded(model: "Transformer", state_dict: dict[str, torch.Tensor]) -> "Transformer":
+    """Load this rank's shard of an unsharded model's ``state_dict`` into ``model`` (built with
+    ``tensor_parallel``): column-parallel weights and biases and the embedding keep the rank's block
+    of rows, row-parallel weights its block of columns, the MoE its own experts (the others' are
+    skipped); the rest is kept whole. Returns ``model``."""
+    split: dict[str, int] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, (ColumnParallelLinear, ParallelEmbedding)):
+            split[prefix + "weight"] = 0
+            if getattr(module, "bias", None) is not None:
+                split[prefix + "bias"] = 0
+        elif isinstance(module, RowParallelLinear):
+            split[prefix + "weight"] = 1
+    shard = {}
+    for name, mine in model.state_dict().items():
+        full = state_dict[name]
+        if name in split:  # this rank's block: the module's rank, the part it was built with
+            dim, part = split[name], mine.shape[split[name]]
+            if full.shape[dim] == part * model.world_size:
+                full = full.narrow(dim, model.get_submodule(name.rsplit(".", 1)[0]).rank * part, part)
+        if full.shape != mine.shape:
+            raise ValueError(f"{name}: the unsharded weight's shape {tuple(state_dict[name].shape)} does not shard "
+                             f"to this rank's {tuple(mine.shape)} over world_size={model.world_size}")
+        shard[name] = full
+    model.load_state_dict(shard)
+    return model
 
 
 def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
