@@ -3,7 +3,6 @@ collective) and the per-step summary users ask about. FX semantics themselves ar
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from dsa_dcp import merge
