@@ -5,8 +5,7 @@ Layouts (``dsa_dcp.topology.tp_dcp_groups``): TP 4 + DCP 2 (two DCP groups side 
 DCP 4, TP 2 + DCP 2 twice side by side (each TP group serving its own requests). Every merge mode
 runs for each family over the layouts; each rank's greedy tokens and logits equal the single-rank
 model's, every layer is rewritten as a TP layer, and each rank holds 1/N of the KV rows TP alone
-holds. The refusals: a DCP group across TP groups, N not dividing T, a collective the rewrite
-cannot place.
+holds. The refusals are ``tests/test_tp_dcp_refusals.py``.
 """
 
 import pytest
@@ -79,90 +78,3 @@ def test_tp_with_dcp_inside_matches_the_unsharded_model(family):
                 assert ((a - b).norm() / b.norm()).item() < 1e-5, what
             assert got["stats"]["tp_layers"] == LAYERS[family], what
             assert got["kv_rows"] == [tp_alone_rows // dcp] * LAYERS[family], what  # 1/N of TP alone's rows
-
-
-class _SummedLogits(torch.nn.Module):
-    """A DCP model followed by a collective the rewrite has no place for (a sum of the logits)."""
-
-    def __init__(self, model, group_name):
-        super().__init__()
-        self.model, self.group_name = model, group_name
-
-    def forward(self, *inputs):
-        import torch.distributed._functional_collectives as funcol
-
-        return funcol.all_reduce(self.model(*inputs), "sum", self.group_name)
-
-
-def _refused_rank(rank, world):
-    import torch.distributed as dist
-
-    cfg = get_config("deepseek-v3.2-tiny", n_layers=1)  # refused before any layer matters
-    batch = standard_test_batch(cfg, max_new_tokens=1, seed=7)
-    errors = {}
-
-    def compile_error(model, options, ranks):
-        torch._dynamo.reset()
-        if rank not in ranks:
-            return None
-        try:
-            with torch.no_grad():
-                generate(torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True), batch, 1,
-                         pad_to=ROWS)
-        except Exception as e:  # noqa: BLE001 - the parent asserts on the message
-            return str(e)
-        return "compiled"
-
-    # TP groups {0, 1}, {2, 3}; DCP groups {0, 2}, {1, 3}: each DCP group spans both TP groups
-    tp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
-    across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
-    model = DSAModel(cfg, batch.num_slots, dcp_size=2, seed=1, tp_size=2, tp_group=tp)
-    errors["across"] = compile_error(model, {"dcp_size": 2, "group": across, "lowering": "fx"}, range(4))
-    # a plain DCP model whose logits are summed over the world: no TP layer, one collective
-    model = _SummedLogits(DSAModel(cfg, batch.num_slots, dcp_size=4, seed=1), dist.group.WORLD.group_name)
-    errors["unplaced"] = compile_error(model, {"dcp_size": 4, "lowering": "fx"}, range(4))
-    # TP 4 with a DCP group of 3 ranks: 3 does not divide 4 (the check itself: rank 3 is no member)
-    three = dist.new_group([0, 1, 2])
-    if rank < 3:
-        from dsa_dcp.passes.tensor_parallel import TPSite, group_problems
-
-        site = TPSite(dist.group.WORLD.group_name, 4, None)
-        errors["not_dividing"] = group_problems(site, three.group_name, 3, "")
-    return errors
-
-
-def test_tp_layouts_the_rewrite_cannot_run_are_refused_at_compile_time():
-    ranks = run_on_ranks(_refused_rank, 4, timeout=300)
-    for rank, errors in enumerate(ranks):
-        assert "the DCP group (global ranks" in errors["across"] and "is not part of the layer's TP group" \
-            in errors["across"], (rank, errors["across"])
-        assert "tp_dcp_groups(tp_size, dcp_size)" in errors["across"]
-        assert "the model's graph has collectives the DCP rewrite cannot place" in errors["unplaced"], errors["unplaced"]
-    for rank in range(3):
-        assert ranks[rank]["not_dividing"] == ["dcp_size=3 does not divide the TP size 4: DCP groups split a TP group "
-                                               "evenly"]
-
-
-def _groups_rank(rank, world):
-    import torch.distributed as dist
-
-    from dsa_dcp.topology import tp_dcp_groups
-
-    out = {}
-    for tp, dcp in ((4, 2), (4, 4), (2, 2), (2, 1)):
-        g = tp_dcp_groups(tp, dcp)
-        out[tp, dcp] = (dist.get_process_group_ranks(g.tp), dist.get_process_group_ranks(g.dcp))
-    for bad in ((3, 1), (4, 3)):
-        try:
-            tp_dcp_groups(*bad)
-        except ValueError as e:
-            out[bad] = str(e)
-    return out
-
-
-def test_tp_dcp_groups_tile_the_world():
-    ranks = run_on_ranks(_groups_rank, 4)
-    assert ranks[2][4, 2] == ([0, 1, 2, 3], [2, 3]) and ranks[1][4, 4] == ([0, 1, 2, 3], [0, 1, 2, 3])
-    assert ranks[3][2, 2] == ([2, 3], [2, 3]) and ranks[2][2, 1] == ([2, 3], [2])
-    assert "tp_size=3 does not divide the world of 4 rank(s)" in ranks[0][3, 1]
-    assert "dcp_size=3 does not divide tp_size=4" in ranks[0][4, 3]
