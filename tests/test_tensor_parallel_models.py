@@ -109,6 +109,7 @@ def _assert_same_logits(got: list, ref: list, what) -> None:
         assert ((a - b).norm() / b.norm()).item() < 1e-5, (what, step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_models_match_the_unsharded_model(world):
     from dsa_dcp.models import DSAModel, generate
