@@ -56,7 +56,7 @@ def _refused_rank(rank, world):
         from dsa_dcp.passes.tensor_parallel import TPSite, group_problems
 
         site = TPSite(dist.group.WORLD.group_name, 4, None)
-        errors["not_dividing"] = group_problems(site, three.group_name, 3, "")
+        errors["not_dividing"] = group_problems(site, three.group_name, 3)
     return errors
 
 

@@ -82,9 +82,18 @@ class DCPRewrite(DCPPass):
                 f"taken as tensor-parallel only when its attention output reaches its output projection through the "
                 f"per-head epilogue and that projection is summed over a group (all_reduce 'sum'); any other "
                 f"collective could mean heads the merge would mix up")
-        if len({layer.tp.group_name for layer in plan.layers if layer.tp is not None}) > 1:
+        sites = {layer.tp.group_name: layer.tp for layer in plan.layers if layer.tp is not None}
+        if len(sites) > 1:
             plan.problems.append("the layers sum their output projections over different process groups; DCP needs "
                                  "one TP group for the step")
+        for site in sites.values():
+            plan.problems.extend(group_problems(site, ctx.group_name, ctx.dcp_size))
+        other = [layer.attn.name for layer in plan.layers if layer.tp is None]
+        if sites and other:  # they would be merged as if they held every head
+            plan.problems.append(
+                f"some layers hold a tensor-parallel shard of the heads, but {', '.join(other)} could not be recognized "
+                f"as such (their attention output does not reach an output projection summed over the TP group "
+                f"through the per-head epilogue); DCP inside TP needs every layer recognized")
         plan.all_gathers = [layer.attn.name for layer in plan.layers if layer.merge.all_gathers or layer.tp]
         return plan
 
@@ -104,7 +113,7 @@ class DCPRewrite(DCPPass):
         epilogue = HeadEpilogue.match(items[0]) if 0 in items and not whole else None
         tp = tp_site(epilogue.linear) if epilogue is not None else None
         if tp is not None:
-            self._plan_tp_layer(attn, layer, strategy, tp, ctx, plan)
+            self._plan_tp_layer(attn, layer, strategy, tp, plan)
             return
         if not strategy.head_sharded:
             plan.layers.append(LayerPlan(attn, layer, strategy))
@@ -131,15 +140,11 @@ class DCPRewrite(DCPPass):
         plan.warnings.append(fallback)
 
     @staticmethod
-    def _plan_tp_layer(attn: fx.Node, layer: int | None, strategy: MergeStrategy, tp: TPSite, ctx: CompileContext,
+    def _plan_tp_layer(attn: fx.Node, layer: int | None, strategy: MergeStrategy, tp: TPSite,
                        plan: RewritePlan) -> None:
-        problems = group_problems(tp, ctx.group_name, ctx.dcp_size, where(attn))
         if attn.target is not SPARSE_MLA:
-            problems.append(f"{attn.name} holds a tensor-parallel shard of the heads; DCP inside TP takes the MLA "
-                            f"attention (sparse_mla) only{where(attn)}")
-        for problem in problems:  # once per TP group, not once per layer
-            if problem not in plan.problems:
-                plan.problems.append(problem)
+            plan.problems.append(f"{attn.name} holds a tensor-parallel shard of the heads; DCP inside TP takes the MLA "
+                                 f"attention (sparse_mla) only{where(attn)}")
         plan.layers.append(LayerPlan(attn, layer, strategy, tp=tp))
 
     def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: RewritePlan) -> dict:

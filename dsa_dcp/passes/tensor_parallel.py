@@ -15,7 +15,8 @@ combined output of its own heads (``a2a``, ``ag_rs``, ``fused_a2a`` by construct
 projection and all-reduce follow unchanged. The rewrite never touches the model's collectives.
 
 The refusals (at compile time, naming the numbers): a DCP group that is not part of the layer's
-TP group, ``N`` not dividing ``T``, layers that disagree on their TP group, and a graph whose
+TP group, ``N`` not dividing ``T``, layers that disagree on their TP group or that are not all
+recognized as TP (one left out would be merged as if it held every head), and a graph whose
 collectives the rewrite cannot place (some collective but no layer recognized as TP: its heads
 could be a TP shard the merge would mix with another rank's).
 """
@@ -88,17 +89,17 @@ def _global_ranks(group_name: str) -> list[int]:
     return dist.get_process_group_ranks(_resolve_process_group(group_name))
 
 
-def group_problems(tp: TPSite, dcp_group_name: str, dcp_size: int, where: str) -> list[str]:
+def group_problems(tp: TPSite, dcp_group_name: str, dcp_size: int) -> list[str]:
     """Why DCP over ``dcp_group_name`` cannot run inside ``tp``'s group (empty when it can)."""
     problems = []
     tp_ranks, dcp_ranks = _global_ranks(tp.group_name), _global_ranks(dcp_group_name)
     if not set(dcp_ranks) <= set(tp_ranks):
         problems.append(
             f"the DCP group (global ranks {dcp_ranks}) is not part of the layer's TP group (global ranks "
-            f"{tp_ranks}){where}: DCP reuses the ranks of one TP group; build the DCP groups from contiguous "
+            f"{tp_ranks}): DCP reuses the ranks of one TP group; build the DCP groups from contiguous "
             f"ranks of each TP group (dsa_dcp.topology.tp_dcp_groups(tp_size, dcp_size))")
     elif tp.size % dcp_size:
-        problems.append(f"dcp_size={dcp_size} does not divide the TP size {tp.size}{where}: DCP groups split a TP "
+        problems.append(f"dcp_size={dcp_size} does not divide the TP size {tp.size}: DCP groups split a TP "
                         f"group evenly")
     return problems
 
