@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     hf.add_argument("--layers", type=_at_least(1), default=4)
     hf.add_argument("--steps", type=_at_least(1), default=12, help="timed decode steps per variant")
     hf.add_argument("--json", help="also write the rows to this file")
+    hf.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="also print each variant's ROWS kernels with the most device time (stderr)")
     hf.set_defaults(func=_bench_hf)
     merge = bench_sub.add_parser("merge", parents=[common], help="fused a2a merge vs pack + exchange + combine (N ranks emulated on one GPU)")
     merge.add_argument("--dcp", type=int, nargs="+", default=[2, 4, 8])

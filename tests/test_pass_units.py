@@ -67,3 +67,27 @@ def test_recognition_changes_no_write_and_localization_localizes_them():
     assert localized.counts_after["dsa_dcp.position_store.default"] == 2 * layers  # kv and pe per layer
     assert localized.counts_after["setitem"] == recognized.counts_after["setitem"] - 2 * layers
     assert localized.stats["localize_kv_writes"]["position_localizations"] == 1  # one positions range
+
+
+def _position_indexer(q, w, keys, mask, scale):
+    """transformers' indexer over a position cache (``match/position_indexer.py``), its top-k returned."""
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * scale
+    index = torch.matmul(w.unsqueeze(-2), torch.relu(scores)).squeeze(-2) + mask
+    return index.topk(3, dim=-1).indices.to(torch.int32)
+
+
+@pytest.mark.parametrize("scale", [0.25, -0.25])
+def test_a_position_indexer_whose_top_k_is_not_read_as_a_set_is_left_as_written(scale):
+    """The top-k goes to the output (its order is the model's): no ``topk_select``, the reason in the
+    stats; a negative scale inside the relu cannot be folded into the weights either."""
+    from dsa_dcp.passes.indexer import IndexerKernels
+
+    g = torch.Generator().manual_seed(3)
+    inputs = (torch.randn(2, 1, 4, 8, generator=g), torch.randn(2, 1, 4, generator=g),
+              torch.randn(2, 6, 8, generator=g).bfloat16(), torch.zeros(2, 1, 6), scale)
+    backend = run_passes(_position_indexer, inputs, [IndexerKernels], dcp_size=1)
+    stats = backend.stats["indexer_kernels"]
+    assert stats["indexers_matched"] == 0 and len(stats["indexers_left"]) == 1
+    why = "positive constant" if scale < 0 else "not by sparse attention alone"
+    assert why in stats["indexers_left"][0]
+    assert backend.counts_after == backend.counts_before

@@ -156,8 +156,9 @@ def test_unmodified_model_matches_single_rank(model_name, world, merges, lowerin
 @pytest.mark.parametrize("model_name", ["deepseek_v32:eager", "glm_moe_dsa:sdpa"])
 def test_a_group_of_one_attends_over_the_top_k_alone(model_name):
     """dcp_size=1 on a DCPStaticCache: the dense top-k-masked attention becomes sparse attention over
-    the top-k positions (as fast as the top-k, not the context, allows) and gives eager's tokens
-    and logits; the cache holds every position."""
+    the top-k positions (as fast as the top-k, not the context, allows), the indexer becomes
+    ``index_scores`` + ``topk_select``, and it gives eager's tokens and logits; the cache holds
+    every position."""
     import dsa_dcp
 
     ref_tokens, ref_logits, ref_caches = _generate(model_name, 1, None)
@@ -168,6 +169,10 @@ def test_a_group_of_one_attends_over_the_top_k_alone(model_name):
         assert _relative_error(a, b) < 1e-5
     stats = dsa_dcp.backend_report().stats()["recognize_sparse_attention"]
     assert stats["attention_recognized"] == len(ref_caches) and stats["declined"] == []
+    # the indexer of every full layer (DeepSeek-V3.2: both; GLM-5: the first, the second shares it)
+    indexers = dsa_dcp.backend_report().stats()["indexer_kernels"]
+    assert indexers["indexers_matched"] == (2 if model_name.startswith("deepseek") else 1)
+    assert indexers["indexers_left"] == []
     held = {"caches": [[t.local for t in pair] for pair in caches],
             "global_shapes": [[tuple(t.shape) for t in pair] for pair in caches]}
     _check_caches_are_split(ref_caches, [held], 1, left_padded=True)

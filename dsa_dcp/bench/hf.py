@@ -41,6 +41,7 @@ class HFBenchSpec:
     vocab: int = 32768
     steps: int = 12
     warmup: int = 3
+    profile: int = 0  # > 0: print each variant's top kernels by device time over the timed steps
 
 
 def glm5_config(layers: int, intermediate: int, vocab: int, max_positions: int):
@@ -104,6 +105,15 @@ def _decode(call, cache, first: torch.Tensor, start: int, steps: int) -> tuple[l
     return [b.elapsed_time(e) for b, e in events], torch.cat(tokens, 1).tolist(), first_logits
 
 
+def _kernel_table(call, cache, first: torch.Tensor, start: int, steps: int, rows: int) -> str:
+    """The ``rows`` kernels with the most device time over ``steps`` decode steps (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _decode(call, cache, first, start, steps)
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=90)
+
+
 def run_hf_bench(spec: HFBenchSpec):
     """Yields one row per (batch, prompt) shape."""
     import transformers
@@ -144,6 +154,12 @@ def run_hf_bench(spec: HFBenchSpec):
                 if spec.warmup:
                     _decode(call, cache, first, prompt, spec.warmup)
                 times, tokens, logits = _decode(call, cache, first, prompt, spec.steps)
+                if spec.profile:
+                    import sys
+
+                    print(f"== {name}, batch {batch}, prompt {prompt}: kernels over {spec.steps} decode steps",
+                          file=sys.stderr)
+                    print(_kernel_table(call, cache, first, prompt, spec.steps, spec.profile), file=sys.stderr)
                 row[f"{name}_ms"] = statistics.median(times)
                 if reference is None:
                     reference = (tokens, logits)
@@ -172,7 +188,8 @@ def format_hf_table(rows: list[dict]) -> str:
 
 def main(args) -> int:
     shapes = tuple((b, p) for b, p in (s.split("x") for s in args.shapes)) if args.shapes else HFBenchSpec.shapes
-    spec = HFBenchSpec(shapes=tuple((int(b), int(p)) for b, p in shapes), layers=args.layers, steps=args.steps)
+    spec = HFBenchSpec(shapes=tuple((int(b), int(p)) for b, p in shapes), layers=args.layers, steps=args.steps,
+                       profile=args.profile)
     from dsa_dcp.bench.measure import print_rows
 
     print_rows(run_hf_bench(spec), args.json, format_hf_table)

@@ -32,7 +32,7 @@ from dsa_dcp.ops_positions import SPARSE_MHA_POSITIONS, SPARSE_MLA_POSITIONS
 from dsa_dcp.passes import fx as F
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
-from dsa_dcp.passes.match.attention import (SDPA, SOFTMAX, AttentionMatch, PositionCaches, integer_base,
+from dsa_dcp.passes.match.attention import (SDPA, SET_READ, SOFTMAX, AttentionMatch, PositionCaches, integer_base,
                                             match_sdpa, match_softmax_attention)
 from dsa_dcp.passes.position_caches import (PositionWrite, insert_local_views, layout_problems, match_write,
                                             position_caches, stray_uses)
@@ -151,6 +151,7 @@ class RecognizeSparseAttention(DCPPass):
             return slots_cache[key]
         b, s = _size(emit, topk, 0), _size(emit, topk, 1)
         positions = emit.method("long", topk)
+        positions.meta[SET_READ] = True  # read as a set, -1 = no position (the valid test below)
         valid = emit(operator.ge, positions, 0)
         if match.mask is not None:
             mask = emit.method("expand", emit(operator.getitem, match.mask, (slice(None), 0)), b, s, match.layout.length)

@@ -379,6 +379,11 @@ def _per_head(output, q, key, value, caches: PositionCaches, topk, mask, mask_ki
                           topk, mask, mask_kind, scale, 1, latent), ""
 
 
+# ``meta`` key of the node that reads a top-k as a set of positions, ``-1`` meaning none: the
+# ``.long()`` that starts ``recognize_sparse_attention``'s slots (``match/position_indexer.py``).
+SET_READ = "dsa_dcp_topk_set"
+
+
 def integer_base(topk: fx.Node) -> fx.Node:
     """Through ``.long()``/``.int()``/``.to(int)`` back to the node the positions were computed as."""
     while F.calls(topk, (), ("long", "int", "to")) and isinstance(topk.args[0], fx.Node) \
