@@ -55,6 +55,7 @@ from ._common import (
     sm_count,
 )
 from . import dispatch
+from .kv_store import FP8_GROUP, check_scales
 from .lse_combine import lse_combine_triton
 
 _OP = "sparse_mla"
@@ -63,17 +64,19 @@ _OP = "sparse_mla"
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 
-def _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale=None) -> None:
+def _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale=None, block_scales=None) -> None:
     check_float(_OP, "q_nope", q_nope, 3)
     check_float(_OP, "q_pe", q_pe, 3)
     check_float(_OP, "kv", kv, 2)
     if kv.dtype in FP8_KV_DTYPES:
-        if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)) or not kv_scale > 0:
+        if block_scales is None and (isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float))
+                                     or not kv_scale > 0):
             raise ValueError(f"{_OP}: FP8 kv needs a positive Python float kv_scale, got {kv_scale!r}")
+        check_scales(_OP, kv, kv_scale, block_scales, "kv")
         if q_nope.dtype in FP8_KV_DTYPES or q_pe.dtype in FP8_KV_DTYPES:
             raise ValueError(f"{_OP}: queries must be fp32, bf16 or fp16 (FP8 is for the KV cache only)")
-    elif kv_scale is not None:
-        raise ValueError(f"{_OP}: kv_scale is only for FP8 kv, got kv dtype {kv.dtype}")
+    elif kv_scale is not None or block_scales is not None:
+        raise ValueError(f"{_OP}: kv_scale is only for FP8 kv (block_scales too), got kv dtype {kv.dtype}")
     check_index(_OP, "topk", topk, 2)
     B, H, Dc = q_nope.shape
     if tuple(q_pe.shape[:2]) != (B, H):
@@ -96,21 +99,26 @@ def sparse_mla_reference(
     sm_scale: float,
     kv_scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    block_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch sparse MLA (see module docstring): gather, dense softmax over the named rows.
-    No host sync.
+    No host sync. FP8 KV with per-128-column ``block_scales`` (``dsa_dcp/kernels/kv_store.py``) is
+    read here only: each gathered row is multiplied by its groups' scales.
 
     ``compute_dtype`` (fp32 by default, fp64 for tests) is the arithmetic precision; the LSE is
     returned as float32 either way. FP8 KV is dequantized (``* kv_scale``) after the gather.
     ``torch.logsumexp`` and ``torch.softmax`` give the non-finite cases their dense meaning.
     """
-    _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
+    _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale, block_scales)
     Dc = q_nope.shape[2]
     idx = topk.to(torch.int64)
     valid = idx >= 0  # [B, K]
     rows = kv[idx.clamp(min=0)].to(compute_dtype)  # [B, K, Dc + Dr]
     if kv_scale is not None:
         rows = rows * kv_scale
+    if block_scales is not None:  # [B, K, G] -> one scale per column
+        scales = block_scales.view(block_scales.shape[0], -1)[idx.clamp(min=0)].to(compute_dtype)
+        rows = rows * scales[..., torch.arange(kv.shape[1], device=kv.device) // FP8_GROUP]
     # skipped entries gathered row 0: zero them, or a NaN/inf there (an unwritten cache row)
     # would leak through 0 * NaN into the output
     rows = torch.where(valid[..., None], rows, torch.zeros((), dtype=compute_dtype, device=rows.device))
