@@ -320,3 +320,67 @@ def test_fp8_kv_under_dcp_matches_the_single_rank_model(world):
                 assert step.max() <= 1 and (step > 0).float().mean() < 1e-3, (case, i)
             else:  # fp32 keys computed from hidden states that agree up to reassociation
                 torch.testing.assert_close(rebuilt, keys, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- refusals at compile time
+
+
+def _fp8_step(write):
+    def step(q_nope, q_pe, cache, topk, slots, rows):
+        write(cache, slots, rows)
+        out, lse = torch.ops.dsa_dcp.sparse_mla.default(q_nope, q_pe, cache, topk, 0.5, 1.0)
+        return out
+    return step
+
+
+def _compile_error(fn, cache):
+    from dsa_dcp.inspection.targets import fake_group
+
+    g = torch.Generator().manual_seed(0)
+    b, h, dc, dr, k = 3, 4, 8, 4, 5
+    inputs = (torch.randn(b, h, dc, generator=g), torch.randn(b, h, dr, generator=g), cache,
+              torch.randint(-1, 24, (b, k), generator=g), torch.randint(-1, 24, (b,), generator=g),
+              torch.randn(b, dc + dr, generator=g))
+    with fake_group(2):
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as err:
+            torch.compile(fn, backend="dsa_dcp", options={"dcp_size": 2, "merge": "ag"}, fullgraph=True)(*inputs)
+    return str(err.value)
+
+
+def test_an_fp8_cache_written_without_its_scale_is_refused_at_compile_time():
+    import dsa_dcp
+
+    cache = dsa_dcp.allocate_kv_cache(24, 12, dcp_size=2, dtype=torch.float8_e4m3fn)
+
+    def plain(cache, slots, rows):
+        cache[slots] = rows.to(cache.dtype)
+
+    message = _compile_error(_fp8_step(plain), cache)
+    assert "FP8 KV cache" in message and "must be written by kv_store with its scale" in message
+    message = _compile_error(_fp8_step(torch.ops.dsa_dcp.kv_store.default), cache)  # kv_store without a scale
+    assert "an FP8 cache needs exactly one of kv_scale (per tensor) or block_scales (per 128 columns)" in message
+
+
+class _FP8PositionCache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from dsa_dcp.position_cache import allocate_position_cache
+
+        self.register_buffer("kv_cache", allocate_position_cache((2, 8, 4), 1, dcp_size=2, dtype=torch.float8_e4m3fn))
+
+    def forward(self, x, start_pos: int):
+        self.kv_cache[:2, start_pos:start_pos + 1] = x.to(torch.float8_e4m3fn)
+        return self.kv_cache[:2, :start_pos + 1].float().sum(1)
+
+
+def test_an_fp8_position_cache_is_refused_under_dcp():
+    from dsa_dcp.inspection.targets import fake_group
+
+    torch._dynamo.reset()
+    with fake_group(2):
+        compiled = torch.compile(_FP8PositionCache(), backend="dsa_dcp", options={"dcp_size": 2}, fullgraph=True)
+        with pytest.raises(Exception) as err:
+            compiled(torch.randn(2, 1, 4), 3)
+    assert "position cache l_self_buffers_kv_cache_ is FP8 E4M3: the position-cache writes and the attention " \
+           "over position caches carry no scale" in str(err.value)
