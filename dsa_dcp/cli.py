@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     insp.add_argument("--dcp", type=_at_least(1), default=2, help="DCP group size N (compiled for rank 0)")
     insp.add_argument("--merge", choices=MERGE_MODES, default="a2a")
     insp.add_argument("--interleave", type=_at_least(1), default=1)
-    insp.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV dtype of the memory plan")
+    insp.add_argument("--kv-dtype", choices=("bf16", "fp8", "fp8_block"), default="bf16",
+                      help="KV dtype of the memory plan (fp8: per-tensor scale; fp8_block: per-128-column scales)")
     insp.add_argument("--index-cache", choices=("replicated", "sharded"), default="replicated",
                       help="the index cache option (built-in configs are allocated for it)")
     insp.add_argument("--format", choices=("text", "json", "html"), default="text")

@@ -384,3 +384,31 @@ def test_an_fp8_position_cache_is_refused_under_dcp():
             compiled(torch.randn(2, 1, 4), 3)
     assert "position cache l_self_buffers_kv_cache_ is FP8 E4M3: the position-cache writes and the attention " \
            "over position caches carry no scale" in str(err.value)
+
+
+# --------------------------------------------------------------------------- the memory plan
+
+
+@pytest.mark.parametrize("form, plan_dtype", [({"kv_dtype": "fp8"}, "fp8"),
+                                              ({"kv_dtype": "fp8", "kv_scales": "block"}, "fp8_block"),
+                                              ({"kv_dtype": "fp8", "index_key_dtype": "fp8"}, "fp8")])
+def test_the_memory_plan_reports_the_bytes_the_model_allocates(form, plan_dtype):
+    """The plan of an FP8 config (kv_dtype=None: the config's own storage) counts the bytes a
+    DCP rank's caches and scales hold per slot, and for the published shapes FACTS.md's 576 / 132 B."""
+    from dsa_dcp.inspection import memory_plan
+
+    world, slots = 2, 40
+    cfg = get_config(FAMILY, n_layers=LAYERS, **form)
+    plan = memory_plan(cfg, dcp_size=world, slots=slots)
+    assert plan.kv_dtype == plan_dtype
+    model = DSAModel(cfg, slots, dcp_size=world)
+    kv = sum(l.attn.kv_cache.nbytes + l.attn.kv_block_scales.nbytes for l in model.layers)
+    keys = sum(l.attn.indexer.index_cache.nbytes + l.attn.indexer.key_scale.nbytes
+               for l in model.layers if l.attn.indexer is not None)
+    rows = local_cache_rows(slots, world, 1)
+    assert kv == rows * plan.kv_bytes_per_token  # the per-tensor scale is a constant: plan.fixed_bytes_per_rank
+    if cfg.index_key_dtype == "fp8":
+        assert keys == slots * plan.index_bytes_per_token
+    real = memory_plan(get_config("glm5.3", **form), dcp_size=world)
+    assert real.kv_bytes_per_token_layer == {"fp8": 576, "fp8_block": 576 + 5 * 4}[plan_dtype]
+    assert real.index_bytes_per_token_layer == 132

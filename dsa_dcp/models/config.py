@@ -68,7 +68,8 @@ class DSAConfig:
     rope_theta: float = 10000.0
     page_size: int = 64
     norm_eps: float = 1e-6
-    # KV cache storage (docs/models.md, "FP8 KV"): None keeps the model's dtype; "fp8" stores E4M3,
+    # KV cache storage (docs/models.md, "FP8 KV"): None keeps the model's dtype, "bf16" stores bf16
+    # whatever the model computes in (a yardstick for FP8's error); "fp8" stores E4M3,
     # written by kv_store with a per-tensor scale (kv_scales="tensor", the constant kv_scale) or with
     # per-128-column power-of-two scales computed from each row (kv_scales="block", 4 bytes a group).
     kv_dtype: str | None = None
@@ -101,8 +102,8 @@ class DSAConfig:
         for f, v in (("qk_rope_head_dim", self.qk_rope_head_dim), ("index_rope_dim", self.index_rope_dim)):
             if v < 2 or v % 2:
                 problems.append(f"{f} must be even and >= 2 (rope rotates pairs), got {v}")
-        if self.kv_dtype not in (None, "fp8"):
-            problems.append(f"kv_dtype must be None (the model's dtype) or 'fp8', got {self.kv_dtype!r}")
+        if self.kv_dtype not in (None, "bf16", "fp8"):
+            problems.append(f"kv_dtype must be None (the model's dtype), 'bf16' or 'fp8', got {self.kv_dtype!r}")
         if self.kv_scales not in ("tensor", "block"):
             problems.append(f"kv_scales must be 'tensor' (one scale) or 'block' (per 128 columns), got {self.kv_scales!r}")
         if isinstance(self.kv_scale, bool) or not isinstance(self.kv_scale, (int, float)) \

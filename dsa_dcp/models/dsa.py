@@ -442,7 +442,7 @@ class DSAModel(nn.Module):
         self.dcp_size = dcp_size if kv_rows is None else 1
         self.index_cache = index_cache
         ref, cfg = self.embed, self.cfg
-        kv_dtype = torch.float8_e4m3fn if cfg.kv_dtype == "fp8" else ref.dtype
+        kv_dtype = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}.get(cfg.kv_dtype, ref.dtype)
         key_dtype = torch.float8_e4m3fn if cfg.index_key_dtype == "fp8" else ref.dtype
         none = torch.zeros(0, device=ref.device)
         for layer in self.layers:
