@@ -154,8 +154,7 @@ FAMILY = "glm5.2-tiny"
 LAYERS = 4  # layer 3 reuses layer 2's top-k (IndexShare)
 VARIANTS = {
     "tensor": dict(kv_dtype="fp8", kv_scale=0.5),
-    "block": dict(kv_dtype="fp8", kv_scales="block"),
-    "keys": dict(kv_dtype="fp8", index_key_dtype="fp8"),
+    "block": dict(kv_dtype="fp8", kv_scales="block", index_key_dtype="fp8"),  # and FP8 index keys
 }
 
 
@@ -254,14 +253,14 @@ def _relative_error(a, b):
 # Every merge mode, not the whole cross-product. The FP8 forms change what is stored and how the
 # local attention reads it, before the merge; a merge sees an (out, lse) pair like any other, so
 # each form needs one merge and each merge one form. N = 2 runs the head-sharded merges (a2a,
-# ag_rs, fused_a2a) with per-tensor scales, and the block scales and the sharded FP8 index keys with
-# one of them; N = 3 runs ag (3 does not divide the tiny models' 4 heads, so the head-sharded merges
-# refuse it at compile time: tests/test_dcp.py) with the block scales and the sharded FP8 keys. What
-# N changes is which rank owns a slot (the writes, the remap, the sharded keys), covered at 2 and 3.
+# ag_rs, fused_a2a) with per-tensor scales, and block scales with FP8 index keys in a sharded index
+# cache with a2a; N = 3 runs ag (3 does not divide the tiny models' 4 heads, so the head-sharded
+# merges refuse it at compile time: tests/test_dcp.py) with the block scales and sharded FP8 keys.
+# What N changes is which rank owns a slot (the writes, the remap, the sharded keys): 2 and 3.
 CASES = {
     2: [("tensor", "a2a", "replicated"), ("tensor", "ag_rs", "replicated"), ("tensor", "fused_a2a", "replicated"),
-        ("block", "a2a", "replicated"), ("keys", "ag_rs", "sharded")],
-    3: [("block", "ag", "replicated"), ("keys", "ag", "sharded")],
+        ("block", "a2a", "sharded")],
+    3: [("block", "ag", "sharded")],
 }
 
 
