@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--layers", type=int, default=4)
     step.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     step.add_argument("--context", type=int, default=4096, help="cached tokens per request")
+    step.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                      help="KV and index-key storage: bf16, or fp8 (E4M3 KV with a per-tensor scale, FP8 index keys "
+                           "with a per-token scale)")
     step.add_argument("--json", help="also write the rows to this file")
     step.set_defaults(func=_bench_step)
     hf = bench_sub.add_parser("hf", parents=[common],
