@@ -127,13 +127,16 @@ def _sparse_mla_cuda(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_
                      kv_scale: float | None = None, block_scales: Tensor | None = None) -> tuple[Tensor, Tensor]:
     from dsa_dcp.kernels import dispatch, flashinfer_mla, sparse_mla_hopper
 
-    if block_scales is not None:  # per-128-column FP8 scales: only the torch reference reads them (no host sync)
-        return kernels.sparse_mla_reference(q_nope, q_pe, kv, topk, sm_scale, block_scales=block_scales)
+    if block_scales is not None:  # per-128-column FP8 scales: the Triton kernel dequantizes them on load
+        choice = dispatch.choose(q_nope.shape[1], q_nope.shape[0], topk.shape[1], kv.dtype, q_nope.device)
+        return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale, block_scales=block_scales,
+                                         **(choice.tiles if choice is not None else {}))
     # The measured table (kernels/dispatch.py) picks per shape: uncaptured, the fastest op among
     # Triton, the Hopper kernel and FlashInfer (plan and index packing included); inside a
     # CUDA-graph capture the faster of Triton and Hopper in a graph (FlashInfer plans on the host).
     # A backend that cannot run here falls back to the Triton kernel; no table entry: Triton.
-    # FP8 KV (kv_scale) runs on Triton or Hopper, which read the scale; FlashInfer is not offered it.
+    # FP8 KV (kv_scale) runs on Triton or Hopper, which read the scale; FlashInfer is not offered it;
+    # per-128 block scales (above) run on Triton only.
     B, H, _ = q_nope.shape
     choice = dispatch.choose(H, B, topk.shape[1], kv.dtype, q_nope.device)
     backend = dispatch.runnable_backend(

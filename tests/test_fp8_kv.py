@@ -123,12 +123,21 @@ def test_fp8_kv_store_refuses_a_missing_or_doubled_scale():
             store(torch.zeros(4, 8), slots, rows, 1.0)
 
 
+TILES = {  # the Triton kernel's paths: elementwise, tensor-core with 3 splits, key-major, two programs a head block
+    "elementwise": dict(block_h=2, block_k=4, num_splits=1),
+    "dot, 3 splits": dict(block_h=16, block_k=16, num_splits=3),
+    "key-major": dict(block_h=16, block_k=16, key_major=True, num_splits=1),
+    "dc_split": dict(block_h=16, block_k=16, dc_split=2, num_splits=1),
+}
+
+
+@pytest.mark.parametrize("impl", ["reference"] + list(TILES))
 @pytest.mark.parametrize("d", [24, 200])
-def test_sparse_mla_reads_block_scales(d):
-    """The reference over an FP8 cache with per-128 scales is the fp64 attention over the
-    dequantized rows (e4m3 * scale of the column's group)."""
+def test_sparse_mla_reads_block_scales(d, impl):
+    """The reference and the Triton kernel over an FP8 cache with per-128 scales are the fp64
+    attention over the dequantized rows (e4m3 * scale of the column's group)."""
     gen = torch.Generator().manual_seed(d)
-    b, h, s, k, dr = 3, 2, 9, 5, 8
+    b, h, s, k, dr = 3, 2, 50, 40, 8
     dc = d - dr
     cache = torch.zeros(s, d, dtype=torch.float8_e4m3fn)
     scales = torch.zeros(s, -(-d // 128))
@@ -138,10 +147,13 @@ def test_sparse_mla_reads_block_scales(d):
     topk = torch.randint(0, s, (b, k), generator=gen)
     topk[1, 2:] = -1
     topk[2] = -1
-    out, lse = sparse_mla_mod.sparse_mla_reference(q_nope, q_pe, cache, topk, 0.3, block_scales=scales)
+    if impl == "reference":
+        out, lse = sparse_mla_mod.sparse_mla_reference(q_nope, q_pe, cache, topk, 0.3, block_scales=scales)
+    else:
+        out, lse = sparse_mla_mod.sparse_mla_triton(q_nope, q_pe, cache, topk, 0.3, block_scales=scales, **TILES[impl])
     want_out, want_lse = sparse_mla_mod.sparse_mla_reference(q_nope.double(), q_pe.double(), real, topk, 0.3,
                                                              compute_dtype=torch.float64)
-    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5 * want_out.abs().max().item())
     torch.testing.assert_close(lse.double(), want_lse.double(), rtol=1e-5, atol=1e-5)
     assert (out[2] == 0).all() and (lse[2] == -math.inf).all()
 

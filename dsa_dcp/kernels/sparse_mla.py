@@ -179,6 +179,14 @@ def _load_q(ptr, offs_h, in_h, cols, in_cols, stride_h, q_prescale, Q_PRESCALE: 
 
 
 @triton.jit
+def _block_dequant(x, bs_row, cols, valid, in_cols, stride_bs_g):
+    """FP8 tile ``x[BLOCK_K, cols]`` times each key's scale of each column's 128-column group (fp32)."""
+    scale = tl.load(bs_row[:, None] + (cols[None, :] // 128) * stride_bs_g, mask=valid[:, None] & in_cols[None, :],
+                    other=0.0)
+    return x.to(tl.float32) * scale
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_nope_ptr,
     q_pe_ptr,
@@ -202,6 +210,9 @@ def _sparse_mla_kernel(
     stride_kv,
     stride_pe,
     stride_topk,
+    bs_ptr,
+    stride_bs,
+    stride_bs_g,
     DC: tl.constexpr,
     DR: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -215,6 +226,7 @@ def _sparse_mla_kernel(
     UPCAST: tl.constexpr,
     Q_PRESCALE: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,  # FP8 KV with per-128-column scales (bs_ptr [S, G]): dequantized on load
 ):
     b = tl.program_id(0).to(tl.int64)
     # program_id(1) is (head block, latent part): with DC_SPLIT = 2 the two programs of a head
@@ -263,6 +275,10 @@ def _sparse_mla_kernel(
         pe_row = pe_ptr + tl.where(valid, idx, 0) * stride_pe  # the rope part: kv's own columns, or a second tensor
         kc = tl.load(kv_row[:, None] + own[None, :], mask=valid[:, None] & in_own[None, :], other=0.0)
         kr = tl.load(pe_row[:, None] + offs_dr[None, :], mask=valid[:, None] & in_dr[None, :], other=0.0)
+        if BLOCK_SCALES:
+            bs_row = bs_ptr + tl.where(valid, idx, 0) * stride_bs
+            kc = _block_dequant(kc, bs_row, own, valid, in_own, stride_bs_g)
+            kr = _block_dequant(kr, bs_row, DC + offs_dr, valid, in_dr, stride_bs_g)
         kc = _operand(kc, UPCAST, DOT_DTYPE)
         kr = _operand(kr, UPCAST, DOT_DTYPE)
         if KEY_MAJOR:  # (USE_DOT; the launcher sees to it)
@@ -280,6 +296,8 @@ def _sparse_mla_kernel(
             if DC_SPLIT == 2:
                 # the other half of the latent: scored here, its values left to the other program
                 ko = tl.load(kv_row[:, None] + other[None, :], mask=valid[:, None] & in_other[None, :], other=0.0)
+                if BLOCK_SCALES:
+                    ko = _block_dequant(ko, bs_row, other, valid, in_other, stride_bs_g)
                 s += _scores(qn_other, _operand(ko, UPCAST, DOT_DTYPE), USE_DOT, DOT_DTYPE, DOT_IEEE)
             s = tl.where(valid[None, :], s * score_scale, -float("inf"))
             m_new = max_keep_nan(m_i, tl.reduce(s, 1, max_keep_nan))
@@ -353,6 +371,7 @@ def sparse_mla_triton(
     sm_scale: float,
     kv_scale: float | None = None,
     *,
+    block_scales: torch.Tensor | None = None,
     block_h: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -390,7 +409,7 @@ def sparse_mla_triton(
         _check(q_nope, q_pe, torch.empty((0, kv.shape[1] + pe.shape[1]), dtype=kv.dtype, device=kv.device), topk,
                sm_scale, kv_scale)
     else:
-        _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
+        _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale, block_scales)
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv", kv)):
         if t.dtype not in TRITON_FLOAT_DTYPES + (FP8_KV_DTYPES if name == "kv" else ()):
             raise ValueError(f"{_OP}: {name} dtype must be one of {list(TRITON_FLOAT_DTYPES)}, got {t.dtype}")
@@ -464,10 +483,13 @@ def sparse_mla_triton(
         B, H, K, kv.shape[0], split_len, float(sm_scale) * scale / q_prescale, scale, q_prescale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), pe.stride(0),
         topk.stride(0),
+        block_scales if block_scales is not None else topk,  # a placeholder pointer when unused
+        block_scales.stride(0) if block_scales is not None else 0,
+        block_scales.stride(-1) if block_scales is not None else 0,
         DC=Dc, DR=Dr, BLOCK_H=bh, BLOCK_K=bk, BLOCK_DV=block_dv, BLOCK_DR=block_dr, DC_SPLIT=dc_split,
         USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32),
         UPCAST=interpreted or not use_dot, Q_PRESCALE=q_prescale != 1.0, KEY_MAJOR=key_major,
-        num_warps=warps, num_stages=num_stages or 3,
+        BLOCK_SCALES=block_scales is not None, num_warps=warps, num_stages=num_stages or 3,
     )  # fmt: skip
     if splits == 1:
         return out, lse

@@ -372,7 +372,9 @@ class DSAModel(nn.Module):
     (compile with the same ``index_cache`` option).
 
     Weights are drawn on the CPU from ``seed`` (the same values on every device), then
-    cast/moved; caches are allocated directly at ``dtype``/``device``. ``model.to(...)`` keeps
+    cast/moved; caches are allocated directly at ``dtype``/``device`` (the KV and index-key caches at
+    the config's ``kv_dtype`` / ``index_key_dtype`` when it names one: FP8 E4M3 with their scales,
+    which ``kv_store`` writes and the attention and the indexer read; docs/models.md, "FP8 KV"). ``model.to(...)`` keeps
     the KV layouts (``_apply`` re-records them).
 
     Buffers (non-persistent): ``layers[i].attn.kv_cache`` for every layer,
@@ -516,6 +518,10 @@ class DSAModel(nn.Module):
             c.zero_()
         for c in self.index_caches().values():
             c.zero_()
+        for layer in self.layers:  # FP8 caches' scales
+            layer.attn.kv_block_scales.zero_()
+            if layer.attn.indexer is not None:
+                layer.attn.indexer.key_scale.zero_()
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor,
