@@ -72,6 +72,12 @@ def _rows(b, d, dtype, gen):
     ties = torch.tensor([1.0625, 3 * 2.0**-10, 2.0**-10, -0.0, 0.0, 460.0, -1e6, float("inf"), -float("inf"),
                          float("nan"), 0.015625, 0.0146484375])
     rows[0, :ties.numel()] = ties.double()[: d]
+    # exact midpoints between neighbouring E4M3 values below 1.5 (a small amax: a block scale keeps them ties)
+    grid = E4M3.double()
+    grid = grid[torch.isfinite(grid) & (grid >= 0) & (grid < 1.5)].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    mids = mids[torch.linspace(0, mids.numel() - 1, min(d, mids.numel())).long()]  # subnormal ones included
+    rows[1, :mids.numel()] = mids * torch.where(torch.arange(mids.numel()) % 2 == 0, 1.0, -1.0).double()
     rows[-1] = 0.0
     return rows.to(dtype)
 
@@ -89,7 +95,8 @@ def test_fp8_kv_store_writes_the_contract_bytes(impl, form, d, rows_dtype):
     slots = torch.randperm(s, generator=gen)[:b]
     slots[2] = -1  # skipped
     slots[4] = -7
-    kv_scale = None if form == "block" else float(torch.rand((), generator=gen)) * 4 + 0.05
+    # d = 24: scale 1 (the ties stay ties); d = 300: any scale
+    kv_scale = None if form == "block" else (1.0 if d == 24 else float(torch.rand((), generator=gen)) * 4 + 0.05)
     sentinel = 0x5A
     cache = torch.full((s, d), sentinel, dtype=torch.uint8).view(torch.float8_e4m3fn)
     groups = -(-d // 128)
@@ -156,6 +163,37 @@ def test_sparse_mla_reads_block_scales(d, impl):
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5 * want_out.abs().max().item())
     torch.testing.assert_close(lse.double(), want_lse.double(), rtol=1e-5, atol=1e-5)
     assert (out[2] == 0).all() and (lse[2] == -math.inf).all()
+
+
+@pytest.mark.parametrize("form", [dict(kv_dtype="fp8", kv_scale=0.5), dict(kv_dtype="fp8", kv_scales="block"),
+                                  dict(kv_dtype="fp8", kv_scale=3.0, index_key_dtype="fp8")], ids=str)
+def test_the_fp8_model_reads_what_it_wrote(form):
+    """One layer, fed the same rows as the full-precision model (teacher forcing): the FP8 model's
+    logits differ by E4M3's rounding, not more (a scale written but not read, or read twice, would
+    move them by the scale); its caches dequantize to the full-precision caches' rows within
+    E4M3's relative step 2^-4."""
+    cfg = get_config(FAMILY, n_layers=1, **form)
+    ref_cfg = get_config(FAMILY, n_layers=1)
+    batch = standard_test_batch(ref_cfg, max_new_tokens=3, seed=5)
+    ref, fp8 = DSAModel(ref_cfg, batch.num_slots, seed=3), DSAModel(cfg, batch.num_slots, seed=3)
+    pairs = []
+
+    def both(*inputs):
+        a = ref(*inputs)
+        pairs.append((fp8(*inputs), a))
+        return a
+
+    with torch.no_grad():
+        generate(both, batch, 3)
+    errors = [((a - b).norm() / b.norm()).item() for a, b in pairs]
+    assert 0 < max(errors) < 0.1, errors
+    attn, want = fp8.layers[0].attn, ref.kv_caches()[0]
+    real = attn.kv_cache.float()
+    real = real * (cfg.kv_scale if cfg.kv_scales == "tensor" else attn.kv_block_scales.repeat_interleave(128, 1)[:, :cfg.kv_dim])
+    written = want.abs().sum(-1) > 0
+    assert written.sum() > 0
+    step = 2.0**-4 * want[written].abs() + 2.0**-9 * (cfg.kv_scale if cfg.kv_scales == "tensor" else 1.0)
+    assert ((real[written] - want[written]).abs() <= step).all()
 
 
 # --------------------------------------------------------------------------- the model under DCP
