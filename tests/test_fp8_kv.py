@@ -268,7 +268,36 @@ def _dcp_rank(rank, world, cases):
             out = generate(step, batch, STEPS, pad_to=ROWS)
         results[(variant, merge, index_cache)] = {"tokens": out.tokens, "logits": out.step_logits,
                                                   **_caches(model)}
+    merge = NAN_MERGE[world]  # a NaN byte in one FP8 KV row, on the rank that owns it
+    cfg, batch = _setup(NAN_CASE)
+    slot = torch.tensor([batch.slot(*POISON)])
+    row = int(local_row(slot, world, 1)) if int(owner(slot, world, 1)) == rank else None
+    torch._dynamo.reset()
+    model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=11)
+    step = torch.compile(model, backend="dsa_dcp", options={"dcp_size": world, "merge": merge, "lowering": "fx"},
+                         fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        results["nan"] = generate(_poisoned(step, model, row), batch, STEPS, pad_to=ROWS).step_logits
     return results
+
+
+NAN_CASE = "tensor"
+NAN_MERGE = {2: "ag_rs", 3: "ag"}
+POISON = (0, 1)  # request 0's position 1: written by the prompt step, read by the steps after it
+
+
+def _poisoned(step, model, row):
+    """``step``, with a NaN byte (0x7F, E4M3's NaN) written into ``row`` of layer 1's FP8 cache after
+    the first step (nothing when ``row`` is None: the rank does not own the slot)."""
+    calls = []
+
+    def run(*inputs):
+        if len(calls) == 1 and row is not None:
+            model.kv_caches()[1].view(torch.uint8)[row, 3] = 0x7F
+        calls.append(None)
+        return step(*inputs)
+
+    return run
 
 
 def _single_rank(variant):
@@ -307,6 +336,7 @@ def _relative_error(a, b):
 # scales with FP8 index keys in a sharded index cache with a2a; N = 3 runs ag (3 does not divide the tiny models' 4 heads, so the head-sharded
 # merges refuse it at compile time: tests/test_dcp.py) with the block scales and sharded FP8 keys.
 # What N changes is which rank owns a slot (the writes, the remap, the sharded keys): 2 and 3.
+# Each spawn also runs NAN_CASE: a NaN byte in one FP8 row shows in the same logits as on one rank.
 CASES = {
     2: [("tensor", "a2a", "replicated"), ("tensor", "ag_rs", "replicated"), ("tensor", "fused_a2a", "replicated"),
         ("block", "a2a", "sharded")],
@@ -315,6 +345,7 @@ CASES = {
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the NaN case
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_fp8_kv_under_dcp_matches_the_single_rank_model(world):
     cases = CASES[world]
@@ -329,6 +360,17 @@ def test_fp8_kv_under_dcp_matches_the_single_rank_model(world):
             scales, _ = _split_rows(WRITE_SLOTS, world, [r[form][1] for r in ranks])
             assert torch.equal(scales, one.scales)
     singles = {variant: _single_rank(variant) for variant in {c[0] for c in cases}}
+    # NaN: the rows that read the poisoned slot are NaN exactly where the single-rank model's are
+    cfg, batch = _setup(NAN_CASE)
+    model = DSAModel(cfg, batch.num_slots, seed=11)
+    with torch.no_grad():
+        ref = generate(_poisoned(model, model, batch.slot(*POISON)), batch, STEPS, pad_to=ROWS).step_logits
+    assert any(b.isnan().any() for b in ref) and all(not b.isnan().all() for b in ref)
+    for r in ranks:
+        for a, b in zip(r["nan"], ref, strict=True):
+            assert torch.equal(a.isnan(), b.isnan())
+            finite = ~b.isnan().any(dim=1)
+            assert _relative_error(a[finite], b[finite]) < 1e-5
     for case in cases:
         variant = case[0]
         cfg, batch, ref, want = singles[variant]
