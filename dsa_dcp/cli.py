@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--layers", type=int, default=4)
     step.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     step.add_argument("--context", type=int, default=4096, help="cached tokens per request")
+    step.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                      help="KV and index-key storage: bf16, or fp8 (E4M3 KV with a per-tensor scale, FP8 index keys "
+                           "with a per-token scale)")
     step.add_argument("--json", help="also write the rows to this file")
     step.set_defaults(func=_bench_step)
     hf = bench_sub.add_parser("hf", parents=[common],
@@ -351,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     insp.add_argument("--dcp", type=_at_least(1), default=2, help="DCP group size N (compiled for rank 0)")
     insp.add_argument("--merge", choices=MERGE_MODES, default="a2a")
     insp.add_argument("--interleave", type=_at_least(1), default=1)
-    insp.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV dtype of the memory plan")
+    insp.add_argument("--kv-dtype", choices=("bf16", "fp8", "fp8_block"), default="bf16",
+                      help="KV dtype of the memory plan (fp8: per-tensor scale; fp8_block: per-128-column scales)")
     insp.add_argument("--index-cache", choices=("replicated", "sharded"), default="replicated",
                       help="the index cache option (built-in configs are allocated for it)")
     insp.add_argument("--format", choices=("text", "json", "html"), default="text")

@@ -85,6 +85,18 @@ def allocate_index_cache(
     return cache
 
 
+def allocate_block_scales(cache: torch.Tensor, *, per_row: bool = False) -> torch.Tensor:
+    """Zeroed fp32 scales of an FP8 cache written with per-128-column scales (``kv_store``'s
+    ``block_scales``): ``[rows, ceil(D / 128)]``, or ``[rows]`` with ``per_row`` (an index key's one
+    scale a token, ``D <= 128``). They have the cache's rows (its local rows under DCP: the same
+    localized slots index both), so they need no layout of their own."""
+    groups = -(-cache.shape[1] // 128)
+    if per_row and groups != 1:
+        raise ValueError(f"one scale a row needs a row of at most 128 columns, got {cache.shape[1]}")
+    shape = (cache.shape[0],) if per_row else (cache.shape[0], groups)
+    return torch.zeros(shape, dtype=torch.float32, device=cache.device)
+
+
 def is_index_cache(cache: object) -> bool:
     """``cache`` came from ``allocate_index_cache`` (sharded when it also has a ``kv_layout``)."""
     return isinstance(cache, torch.Tensor) and cache in _index_caches

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from dsa_dcp.head_groups import pack_head_groups, unpack_head_groups
 from dsa_dcp import kernels
+from dsa_dcp.kernels.kv_store import check_scales
 
 LN2 = math.log(2.0)
 
@@ -89,61 +90,76 @@ def _sparse_mla_fake_outputs(q_nope: Tensor) -> tuple[Tensor, Tensor]:
 # --------------------------------------------------------------------------- kv_store
 
 
-@torch.library.custom_op("dsa_dcp::kv_store", mutates_args=("cache",))
-def kv_store(cache: Tensor, slots: Tensor, rows: Tensor) -> None:
-    kernels.kv_store_reference(cache, slots, rows)
+@torch.library.custom_op("dsa_dcp::kv_store", mutates_args=("cache", "block_scales"))
+def kv_store(cache: Tensor, slots: Tensor, rows: Tensor, kv_scale: float | None = None,
+             block_scales: Tensor | None = None) -> None:
+    kernels.kv_store_reference(cache, slots, rows, kv_scale, block_scales)
 
 
 @kv_store.register_kernel("cuda")
-def _kv_store_cuda(cache: Tensor, slots: Tensor, rows: Tensor) -> None:
-    kernels.kv_store_triton(cache, slots, rows)
+def _kv_store_cuda(cache: Tensor, slots: Tensor, rows: Tensor, kv_scale: float | None = None,
+                   block_scales: Tensor | None = None) -> None:
+    kernels.kv_store_triton(cache, slots, rows, kv_scale, block_scales)
 
 
 @kv_store.register_fake
-def _kv_store_fake(cache: Tensor, slots: Tensor, rows: Tensor) -> None:
+def _kv_store_fake(cache: Tensor, slots: Tensor, rows: Tensor, kv_scale: float | None = None,
+                   block_scales: Tensor | None = None) -> None:
     if slots.dim() != 1 or rows.dim() != 2 or rows.shape[0] != slots.shape[0] or rows.shape[1] != cache.shape[1]:
         raise ValueError(
             f"kv_store: want cache [S, D], slots [B], rows [B, D]; got {tuple(cache.shape)}, "
             f"{tuple(slots.shape)}, {tuple(rows.shape)}"
         )
+    check_scales("kv_store", cache, kv_scale, block_scales)
 
 
 # --------------------------------------------------------------------------- sparse_mla
 
 
 @torch.library.custom_op("dsa_dcp::sparse_mla", mutates_args=())
-def sparse_mla(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
-    return kernels.sparse_mla_reference(q_nope, q_pe, kv, topk, sm_scale)
+def sparse_mla(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float,
+               kv_scale: float | None = None, block_scales: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return kernels.sparse_mla_reference(q_nope, q_pe, kv, topk, sm_scale, kv_scale, block_scales=block_scales)
 
 
 @sparse_mla.register_kernel("cuda")
-def _sparse_mla_cuda(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
+def _sparse_mla_cuda(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float,
+                     kv_scale: float | None = None, block_scales: Tensor | None = None) -> tuple[Tensor, Tensor]:
     from dsa_dcp.kernels import dispatch, flashinfer_mla, sparse_mla_hopper
 
+    if block_scales is not None:  # per-128-column FP8 scales: the Triton kernel dequantizes them on load
+        choice = dispatch.choose(q_nope.shape[1], q_nope.shape[0], topk.shape[1], kv.dtype, q_nope.device)
+        return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale, block_scales=block_scales,
+                                         **(choice.tiles if choice is not None else {}))
     # The measured table (kernels/dispatch.py) picks per shape: uncaptured, the fastest op among
     # Triton, the Hopper kernel and FlashInfer (plan and index packing included); inside a
     # CUDA-graph capture the faster of Triton and Hopper in a graph (FlashInfer plans on the host).
     # A backend that cannot run here falls back to the Triton kernel; no table entry: Triton.
+    # FP8 KV (kv_scale) runs on Triton or Hopper, which read the scale; FlashInfer is not offered it;
+    # per-128 block scales (above) run on Triton only.
     B, H, _ = q_nope.shape
     choice = dispatch.choose(H, B, topk.shape[1], kv.dtype, q_nope.device)
     backend = dispatch.runnable_backend(
         choice,
         torch.cuda.is_current_stream_capturing(),
-        flashinfer_ok=lambda: flashinfer_mla.available() and flashinfer_mla.supports(q_nope, q_pe, kv),
+        flashinfer_ok=lambda: kv_scale is None and flashinfer_mla.available()
+        and flashinfer_mla.supports(q_nope, q_pe, kv),
         hopper_ok=lambda: sparse_mla_hopper.available(q_nope.device) and sparse_mla_hopper.supports(q_nope, q_pe, kv),
     )
     if backend in ("fa2", "fa3"):
         return flashinfer_mla.sparse_mla_flashinfer(q_nope, q_pe, kv, topk, sm_scale, backend=backend)
     if backend == "hopper":
-        return sparse_mla_hopper.sparse_mla_hopper(q_nope, q_pe, kv, topk, sm_scale, **choice.hopper_tiles)
+        return sparse_mla_hopper.sparse_mla_hopper(q_nope, q_pe, kv, topk, sm_scale, kv_scale, **choice.hopper_tiles)
     if choice is not None:  # the table's tiles, so the kernel need not look them up again
-        return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale, **choice.tiles)
-    return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale)
+        return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale, kv_scale, **choice.tiles)
+    return kernels.sparse_mla_triton(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
 
 
 @sparse_mla.register_fake
-def _sparse_mla_fake(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
+def _sparse_mla_fake(q_nope: Tensor, q_pe: Tensor, kv: Tensor, topk: Tensor, sm_scale: float,
+                     kv_scale: float | None = None, block_scales: Tensor | None = None) -> tuple[Tensor, Tensor]:
     check_sparse_mla_inputs(q_nope, q_pe, kv, topk)
+    check_scales("sparse_mla", kv, kv_scale, block_scales, "kv")
     return _sparse_mla_fake_outputs(q_nope)
 
 

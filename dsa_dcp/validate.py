@@ -18,7 +18,8 @@ The rules (``docs/validation.md`` lists each with its message):
   heads            head-sharded merges (``a2a``, ``ag_rs``, ``fused_a2a``) need ``H % N == 0``
   kv_layout        each KV cache was allocated for this ``dcp_size`` and ``interleave`` (at every
                    ``dcp_size``: a cache allocated for a group and compiled without options too)
-  kv_dtype         KV caches are bf16, fp16 (or fp32, the reference dtype)
+  kv_dtype         KV caches are bf16, fp16, FP8 E4M3 (written by kv_store with its scale), or fp32
+                   (the reference dtype); an FP8 position cache is refused under DCP
   kv_writes        a KV cache is only read by sparse attention and written by writes the
                    rewrite can localize
   interleave_page  ``interleave`` divides ``page_size`` (when the page size is given)

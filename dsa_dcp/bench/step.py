@@ -4,7 +4,9 @@ The model has the real GLM-5 attention dimensions (64 heads, q_lora 2048, Dc 512
 nope 192, v 256, indexer 32 x 128, top-k 2048) and a configurable number of layers; the MLP and
 the vocabulary are shrunk (``--intermediate``, ``--vocab``) because they are not what DCP
 changes. Every row is one decoding request with ``--context`` tokens already cached (the caches
-are filled with random values rather than prefilled). ``dcp_size = 1`` on one GPU.
+are filled with random values rather than prefilled). ``dcp_size = 1`` on one GPU. ``--kv-dtype fp8``
+stores the KV in E4M3 with a per-tensor scale and the index keys in E4M3 with a per-token scale
+(``DSAConfig.kv_dtype`` / ``index_key_dtype``, docs/models.md); the weights stay bf16.
 
 Columns, all in one process on the same model and inputs, CUDA graphs where named:
 
@@ -36,6 +38,7 @@ class StepBenchSpec:
     intermediate: int = 2048
     vocab: int = 32768
     dtype: str = "bfloat16"
+    kv_dtype: str = "bf16"  # or "fp8"
     warmup_ms: int = 100
     rep_ms: int = 500
 
@@ -45,9 +48,11 @@ def hbm_floor_us(model: torch.nn.Module, cfg, batch: int, context: int) -> float
     from dsa_dcp.bench.kinds import H200_COPY_BYTES_PER_S
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    elem = next(model.parameters()).element_size()
-    kv = batch * cfg.n_layers * min(cfg.index_topk, context + 1) * cfg.kv_dim * elem
-    keys = batch * len(cfg.indexer_layers) * (context + 1) * cfg.index_head_dim * elem
+    kv_elem = model.kv_caches()[0].element_size()
+    key_bytes = cfg.index_head_dim * next(iter(model.index_caches().values())).element_size() + \
+        (4 if cfg.index_key_dtype == "fp8" else 0)
+    kv = batch * cfg.n_layers * min(cfg.index_topk, context + 1) * cfg.kv_dim * kv_elem
+    keys = batch * len(cfg.indexer_layers) * (context + 1) * key_bytes
     return (weights + kv + keys) / H200_COPY_BYTES_PER_S * 1e6
 
 
@@ -63,15 +68,19 @@ def run_step_bench(spec: StepBenchSpec):
 
     device = torch.device("cuda")
     dtype = getattr(torch, spec.dtype)
-    cfg = get_config("glm5", n_layers=spec.layers, intermediate_size=spec.intermediate, vocab_size=spec.vocab)
+    fp8 = {"kv_dtype": "fp8", "index_key_dtype": "fp8"} if spec.kv_dtype == "fp8" else {}
+    cfg = get_config("glm5", n_layers=spec.layers, intermediate_size=spec.intermediate, vocab_size=spec.vocab, **fp8)
     for batch in spec.batches:
         inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, device)
         torch.manual_seed(0)
         model = DSAModel(cfg, num_slots, dtype=dtype, device=device, seed=0)
         with torch.no_grad():
             for cache in model.kv_caches() + list(model.index_caches().values()):
-                cache.normal_()
-        row = {"batch": batch, "layers": spec.layers, "context": spec.context,
+                cache.copy_(torch.randn(cache.shape, device=device).to(cache.dtype))  # normal_ has no FP8 form
+            for layer in model.layers:
+                if layer.attn.indexer is not None and layer.attn.indexer.key_scale.numel():
+                    layer.attn.indexer.key_scale.fill_(1.0)
+        row = {"batch": batch, "layers": spec.layers, "context": spec.context, "kv_dtype": spec.kv_dtype,
                "hbm_floor_us": hbm_floor_us(model, cfg, batch, spec.context)}
 
         def timed(fn):
@@ -118,13 +127,13 @@ def run_step_bench(spec: StepBenchSpec):
 
 def format_step_table(rows: list[dict]) -> str:
     lines = [
-        "| batch | layers | context | eager us | stock reduce-overhead us | dsa_dcp us | dsa_dcp / stock | "
+        "| batch | layers | context | KV | eager us | stock reduce-overhead us | dsa_dcp us | dsa_dcp / stock | "
         "dsa_dcp fx us | HBM floor us | kernels (stock / dsa_dcp) | dsa_dcp device us: attention / indexer / other |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['batch']} | {r['layers']} | {r['context']} | {r['eager_us']:,.0f} | {r['stock_us']:,.0f} | "
+            f"| {r['batch']} | {r['layers']} | {r['context']} | {r.get('kv_dtype', 'bf16')} | {r['eager_us']:,.0f} | {r['stock_us']:,.0f} | "
             f"{r['dsa_dcp_us']:,.0f} | {r['dsa_dcp_over_stock']:.2f}x | {r['dsa_dcp_fx_us']:,.0f} | "
             f"{r['hbm_floor_us']:,.0f} | {r['stock_kernels']} / {r['dsa_dcp_kernels']} | "
             f"{r.get('dsa_dcp_attention_us', 0):,.0f} / {r.get('dsa_dcp_indexer_us', 0):,.0f} / "
@@ -134,7 +143,8 @@ def format_step_table(rows: list[dict]) -> str:
 
 
 def main(args) -> int:
-    spec = StepBenchSpec(layers=args.layers, batches=tuple(args.batches), context=args.context)
+    spec = StepBenchSpec(layers=args.layers, batches=tuple(args.batches), context=args.context,
+                         kv_dtype=getattr(args, "kv_dtype", "bf16"))
     from dsa_dcp.bench.measure import print_rows
 
     print_rows(run_step_bench(spec), args.json, format_step_table)

@@ -32,7 +32,7 @@ def inspect_target(target: str, **kwargs: Any):
     return _inspect_target(target, **kwargs)
 
 
-def memory_plan(config: Any, kv_dtype: str = "bf16", dcp_size: int = 1, **kwargs: Any):
+def memory_plan(config: Any, kv_dtype: str | None = None, dcp_size: int = 1, **kwargs: Any):
     """Per-rank memory plan of a config (see ``memory.memory_plan``)."""
     from dsa_dcp.inspection.memory import memory_plan as _memory_plan
 

@@ -7,8 +7,14 @@ Per token, per layer (``kv_dim = Dc + Dr``, 576 for every real config):
 - ``fp8``: ``kv_dim`` one-byte values (the all-FP8 576-dim layout) and one per-tensor fp32 scale
   per cache, a fixed 4 B per layer that does not grow with tokens; an index key is
   ``index_head_dim`` one-byte values plus a 4-byte fp32 scale (128 + 4 = 132 B).
+- ``fp8_block``: ``kv_dim`` one-byte values and one fp32 scale per 128 columns of each row
+  (``kv_store``'s ``block_scales``: 576 + 5 x 4 = 596 B), no fixed scale; index keys as ``fp8``.
 - ``bf16``: ``kv_dim`` two-byte values (1152 B); an index key is ``index_head_dim`` bf16 values
-  (256 B), no scale.
+  (256 B), no scale (132 B when the config's ``index_key_dtype`` is ``"fp8"``).
+
+``kv_dtype=None`` takes the config's own storage (``DSAConfig.kv_dtype`` / ``kv_scales`` /
+``index_key_dtype``, the reference models' FP8 options): ``fp8`` or ``fp8_block`` for an FP8 KV
+config, else ``bf16`` (the serving dtype; the CPU tests' fp32 is not planned).
 
 Under DCP every rank stores 1/N of the KV (``kv / N`` per token) and, with the replicated index
 cache (``index_cache="replicated"``, the default), all of the index keys: per rank
@@ -29,7 +35,7 @@ import dataclasses
 
 from dsa_dcp.slots import local_cache_rows
 
-KV_DTYPES = ("bf16", "fp8")
+KV_DTYPES = ("bf16", "fp8", "fp8_block")
 GIB = 1 << 30
 FP8_SCALE_BYTES = 4
 
@@ -103,14 +109,23 @@ def _num(x: float) -> str:
 
 
 def kv_bytes_per_layer(kv_dim: int, kv_dtype: str) -> int:
+    if kv_dtype == "fp8_block":
+        return kv_dim + FP8_SCALE_BYTES * -(-kv_dim // 128)
     return kv_dim * (1 if kv_dtype == "fp8" else 2)
 
 
-def index_bytes_per_layer(index_head_dim: int, kv_dtype: str) -> int:
-    return index_head_dim + FP8_SCALE_BYTES if kv_dtype == "fp8" else 2 * index_head_dim
+def index_bytes_per_layer(index_head_dim: int, kv_dtype: str, fp8_keys: bool = False) -> int:
+    return index_head_dim + FP8_SCALE_BYTES if kv_dtype != "bf16" or fp8_keys else 2 * index_head_dim
 
 
-def memory_plan(config, kv_dtype: str = "bf16", dcp_size: int = 1, *, slots: int | None = None,
+def config_kv_dtype(cfg) -> str:
+    """The plan's KV dtype for a config's own storage (``DSAConfig.kv_dtype``, ``kv_scales``)."""
+    if getattr(cfg, "kv_dtype", None) != "fp8":
+        return "bf16"
+    return "fp8_block" if cfg.kv_scales == "block" else "fp8"
+
+
+def memory_plan(config, kv_dtype: str | None = None, dcp_size: int = 1, *, slots: int | None = None,
                 gpu_mem_gib: float | None = None, interleave: int = 1, index_cache: str = "replicated") -> MemoryPlan:
     """The plan for a ``DSAConfig`` (or a config name) under DCP of size ``dcp_size`` (``interleave``
     slots kept together on one rank: a rank's cache for ``slots`` holds whole interleave blocks),
@@ -118,6 +133,7 @@ def memory_plan(config, kv_dtype: str = "bf16", dcp_size: int = 1, *, slots: int
     from dsa_dcp.models import get_config
 
     cfg = get_config(config) if isinstance(config, str) else config
+    kv_dtype = config_kv_dtype(cfg) if kv_dtype is None else kv_dtype
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)}, got {kv_dtype!r}")
     if not (isinstance(dcp_size, int) and dcp_size >= 1):
@@ -129,7 +145,7 @@ def memory_plan(config, kv_dtype: str = "bf16", dcp_size: int = 1, *, slots: int
     n = dcp_size
     sharded = index_cache == "sharded"
     kv_layer = kv_bytes_per_layer(cfg.kv_dim, kv_dtype)
-    idx_layer = index_bytes_per_layer(cfg.index_head_dim, kv_dtype)
+    idx_layer = index_bytes_per_layer(cfg.index_head_dim, kv_dtype, getattr(cfg, "index_key_dtype", None) == "fp8")
     kv = cfg.n_layers * kv_layer
     idx = len(cfg.indexer_layers) * idx_layer
     split = (kv + idx) / n

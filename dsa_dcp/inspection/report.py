@@ -29,7 +29,7 @@ NO_KERNEL_COUNT_DCP = "n/a (counting runs a step, whose collectives need every r
 SHARE_PASS = "share_remaps"
 
 
-def inspect(compiled: Any, *, config: Any = None, kv_dtype: str = "bf16", slots: int | None = None,
+def inspect(compiled: Any, *, config: Any = None, kv_dtype: str | None = None, slots: int | None = None,
             gpu_mem_gib: float | None = None, target: dict | None = None,
             capacity: CapacityPlan | None = None) -> Inspection:
     """The ``Inspection`` of the last ``dsa_dcp`` compilation of ``compiled``.

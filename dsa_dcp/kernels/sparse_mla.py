@@ -55,6 +55,7 @@ from ._common import (
     sm_count,
 )
 from . import dispatch
+from .kv_store import FP8_GROUP, check_scales
 from .lse_combine import lse_combine_triton
 
 _OP = "sparse_mla"
@@ -63,17 +64,19 @@ _OP = "sparse_mla"
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 
-def _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale=None) -> None:
+def _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale=None, block_scales=None) -> None:
     check_float(_OP, "q_nope", q_nope, 3)
     check_float(_OP, "q_pe", q_pe, 3)
     check_float(_OP, "kv", kv, 2)
     if kv.dtype in FP8_KV_DTYPES:
-        if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)) or not kv_scale > 0:
+        if block_scales is None and (isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float))
+                                     or not kv_scale > 0):
             raise ValueError(f"{_OP}: FP8 kv needs a positive Python float kv_scale, got {kv_scale!r}")
+        check_scales(_OP, kv, kv_scale, block_scales, "kv")
         if q_nope.dtype in FP8_KV_DTYPES or q_pe.dtype in FP8_KV_DTYPES:
             raise ValueError(f"{_OP}: queries must be fp32, bf16 or fp16 (FP8 is for the KV cache only)")
-    elif kv_scale is not None:
-        raise ValueError(f"{_OP}: kv_scale is only for FP8 kv, got kv dtype {kv.dtype}")
+    elif kv_scale is not None or block_scales is not None:
+        raise ValueError(f"{_OP}: kv_scale is only for FP8 kv (block_scales too), got kv dtype {kv.dtype}")
     check_index(_OP, "topk", topk, 2)
     B, H, Dc = q_nope.shape
     if tuple(q_pe.shape[:2]) != (B, H):
@@ -96,21 +99,26 @@ def sparse_mla_reference(
     sm_scale: float,
     kv_scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    block_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch sparse MLA (see module docstring): gather, dense softmax over the named rows.
-    No host sync.
+    No host sync. FP8 KV with per-128-column ``block_scales`` (``dsa_dcp/kernels/kv_store.py``) is
+    read here only: each gathered row is multiplied by its groups' scales.
 
     ``compute_dtype`` (fp32 by default, fp64 for tests) is the arithmetic precision; the LSE is
     returned as float32 either way. FP8 KV is dequantized (``* kv_scale``) after the gather.
     ``torch.logsumexp`` and ``torch.softmax`` give the non-finite cases their dense meaning.
     """
-    _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
+    _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale, block_scales)
     Dc = q_nope.shape[2]
     idx = topk.to(torch.int64)
     valid = idx >= 0  # [B, K]
     rows = kv[idx.clamp(min=0)].to(compute_dtype)  # [B, K, Dc + Dr]
     if kv_scale is not None:
         rows = rows * kv_scale
+    if block_scales is not None:  # [B, K, G] -> one scale per column
+        scales = block_scales.view(block_scales.shape[0], -1)[idx.clamp(min=0)].to(compute_dtype)
+        rows = rows * scales[..., torch.arange(kv.shape[1], device=kv.device) // FP8_GROUP]
     # skipped entries gathered row 0: zero them, or a NaN/inf there (an unwritten cache row)
     # would leak through 0 * NaN into the output
     rows = torch.where(valid[..., None], rows, torch.zeros((), dtype=compute_dtype, device=rows.device))
@@ -171,6 +179,14 @@ def _load_q(ptr, offs_h, in_h, cols, in_cols, stride_h, q_prescale, Q_PRESCALE: 
 
 
 @triton.jit
+def _block_dequant(x, bs_row, cols, valid, in_cols, stride_bs_g):
+    """FP8 tile ``x[BLOCK_K, cols]`` times each key's scale of each column's 128-column group (fp32)."""
+    scale = tl.load(bs_row[:, None] + (cols[None, :] // 128) * stride_bs_g, mask=valid[:, None] & in_cols[None, :],
+                    other=0.0)
+    return x.to(tl.float32) * scale
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_nope_ptr,
     q_pe_ptr,
@@ -194,6 +210,9 @@ def _sparse_mla_kernel(
     stride_kv,
     stride_pe,
     stride_topk,
+    bs_ptr,
+    stride_bs,
+    stride_bs_g,
     DC: tl.constexpr,
     DR: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -207,6 +226,7 @@ def _sparse_mla_kernel(
     UPCAST: tl.constexpr,
     Q_PRESCALE: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,  # FP8 KV with per-128-column scales (bs_ptr [S, G]): dequantized on load
 ):
     b = tl.program_id(0).to(tl.int64)
     # program_id(1) is (head block, latent part): with DC_SPLIT = 2 the two programs of a head
@@ -255,6 +275,10 @@ def _sparse_mla_kernel(
         pe_row = pe_ptr + tl.where(valid, idx, 0) * stride_pe  # the rope part: kv's own columns, or a second tensor
         kc = tl.load(kv_row[:, None] + own[None, :], mask=valid[:, None] & in_own[None, :], other=0.0)
         kr = tl.load(pe_row[:, None] + offs_dr[None, :], mask=valid[:, None] & in_dr[None, :], other=0.0)
+        if BLOCK_SCALES:
+            bs_row = bs_ptr + tl.where(valid, idx, 0) * stride_bs
+            kc = _block_dequant(kc, bs_row, own, valid, in_own, stride_bs_g)
+            kr = _block_dequant(kr, bs_row, DC + offs_dr, valid, in_dr, stride_bs_g)
         kc = _operand(kc, UPCAST, DOT_DTYPE)
         kr = _operand(kr, UPCAST, DOT_DTYPE)
         if KEY_MAJOR:  # (USE_DOT; the launcher sees to it)
@@ -272,6 +296,8 @@ def _sparse_mla_kernel(
             if DC_SPLIT == 2:
                 # the other half of the latent: scored here, its values left to the other program
                 ko = tl.load(kv_row[:, None] + other[None, :], mask=valid[:, None] & in_other[None, :], other=0.0)
+                if BLOCK_SCALES:
+                    ko = _block_dequant(ko, bs_row, other, valid, in_other, stride_bs_g)
                 s += _scores(qn_other, _operand(ko, UPCAST, DOT_DTYPE), USE_DOT, DOT_DTYPE, DOT_IEEE)
             s = tl.where(valid[None, :], s * score_scale, -float("inf"))
             m_new = max_keep_nan(m_i, tl.reduce(s, 1, max_keep_nan))
@@ -345,6 +371,7 @@ def sparse_mla_triton(
     sm_scale: float,
     kv_scale: float | None = None,
     *,
+    block_scales: torch.Tensor | None = None,
     block_h: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -382,7 +409,7 @@ def sparse_mla_triton(
         _check(q_nope, q_pe, torch.empty((0, kv.shape[1] + pe.shape[1]), dtype=kv.dtype, device=kv.device), topk,
                sm_scale, kv_scale)
     else:
-        _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale)
+        _check(q_nope, q_pe, kv, topk, sm_scale, kv_scale, block_scales)
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv", kv)):
         if t.dtype not in TRITON_FLOAT_DTYPES + (FP8_KV_DTYPES if name == "kv" else ()):
             raise ValueError(f"{_OP}: {name} dtype must be one of {list(TRITON_FLOAT_DTYPES)}, got {t.dtype}")
@@ -456,10 +483,13 @@ def sparse_mla_triton(
         B, H, K, kv.shape[0], split_len, float(sm_scale) * scale / q_prescale, scale, q_prescale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), pe.stride(0),
         topk.stride(0),
+        block_scales if block_scales is not None else topk,  # a placeholder pointer when unused
+        block_scales.stride(0) if block_scales is not None else 0,
+        block_scales.stride(-1) if block_scales is not None else 0,
         DC=Dc, DR=Dr, BLOCK_H=bh, BLOCK_K=bk, BLOCK_DV=block_dv, BLOCK_DR=block_dr, DC_SPLIT=dc_split,
         USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32),
         UPCAST=interpreted or not use_dot, Q_PRESCALE=q_prescale != 1.0, KEY_MAJOR=key_major,
-        num_warps=warps, num_stages=num_stages or 3,
+        BLOCK_SCALES=block_scales is not None, num_warps=warps, num_stages=num_stages or 3,
     )  # fmt: skip
     if splits == 1:
         return out, lse

@@ -68,6 +68,16 @@ class DSAConfig:
     rope_theta: float = 10000.0
     page_size: int = 64
     norm_eps: float = 1e-6
+    # KV cache storage (docs/models.md, "FP8 KV"): None keeps the model's dtype, "bf16" stores bf16
+    # whatever the model computes in (a yardstick for FP8's error); "fp8" stores E4M3,
+    # written by kv_store with a per-tensor scale (kv_scales="tensor", the constant kv_scale) or with
+    # per-128-column power-of-two scales computed from each row (kv_scales="block", 4 bytes a group).
+    kv_dtype: str | None = None
+    kv_scales: str = "tensor"
+    kv_scale: float = 1.0
+    # index keys: None keeps the model's dtype; "fp8" stores E4M3 with one fp32 scale a token
+    # (index_head_dim + 4 bytes, as published checkpoints store them; index_head_dim <= 128)
+    index_key_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not self.indexer_layers:
@@ -92,6 +102,18 @@ class DSAConfig:
         for f, v in (("qk_rope_head_dim", self.qk_rope_head_dim), ("index_rope_dim", self.index_rope_dim)):
             if v < 2 or v % 2:
                 problems.append(f"{f} must be even and >= 2 (rope rotates pairs), got {v}")
+        if self.kv_dtype not in (None, "bf16", "fp8"):
+            problems.append(f"kv_dtype must be None (the model's dtype), 'bf16' or 'fp8', got {self.kv_dtype!r}")
+        if self.kv_scales not in ("tensor", "block"):
+            problems.append(f"kv_scales must be 'tensor' (one scale) or 'block' (per 128 columns), got {self.kv_scales!r}")
+        if isinstance(self.kv_scale, bool) or not isinstance(self.kv_scale, (int, float)) \
+                or not 0 < self.kv_scale < math.inf:
+            problems.append(f"kv_scale must be a positive finite float, got {self.kv_scale!r}")
+        if self.index_key_dtype not in (None, "fp8"):
+            problems.append(f"index_key_dtype must be None (the model's dtype) or 'fp8', got {self.index_key_dtype!r}")
+        elif self.index_key_dtype == "fp8" and self.index_head_dim > 128:
+            problems.append(f"index_key_dtype='fp8' keeps one scale a token, so index_head_dim must be <= 128, got "
+                            f"{self.index_head_dim}")
         if self.index_rope_dim > self.index_head_dim:
             problems.append(f"index_rope_dim {self.index_rope_dim} > index_head_dim {self.index_head_dim}")
         il = self.indexer_layers

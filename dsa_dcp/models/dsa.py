@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dsa_dcp.ops  # noqa: F401  (registers torch.ops.dsa_dcp.*)
-from dsa_dcp.kv_cache import allocate_index_cache, allocate_kv_cache, is_index_cache, kv_layout
+from dsa_dcp.kv_cache import allocate_block_scales, allocate_index_cache, allocate_kv_cache, is_index_cache, kv_layout
 
 from .config import DSAConfig
 
@@ -225,6 +225,8 @@ class LightningIndexer(nn.Module):
         self.w_weights = nn.Parameter(torch.empty(hi, cfg.hidden_size))
         self.weight_scale = hi**-0.5 * di**-0.5
         self.register_buffer("index_cache", torch.zeros(0, di), persistent=False)  # sized by DSAModel
+        # FP8 keys (cfg.index_key_dtype == "fp8"): one fp32 scale a token, kv_store writes it
+        self.register_buffer("key_scale", torch.zeros(0), persistent=False)
 
     def _rope_first(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         r = self.cfg.index_rope_dim
@@ -235,7 +237,11 @@ class LightningIndexer(nn.Module):
         cfg = self.cfg
         t = x.shape[0]
         k = self._rope_first(self.k_norm(F.linear(x, self.wk)), cos, sin)
-        KV_STORE(self.index_cache, slots, k.to(self.index_cache.dtype))
+        fp8 = cfg.index_key_dtype == "fp8"
+        if fp8:  # quantized by kv_store, its per-token scale written beside it
+            KV_STORE(self.index_cache, slots, k, None, self.key_scale)
+        else:
+            KV_STORE(self.index_cache, slots, k.to(self.index_cache.dtype))
 
         q = self._rope_first(F.linear(q_a, self.wq).view(t, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
         w = F.linear(x, self.w_weights).float() * self.weight_scale  # [T, Hi]
@@ -250,6 +256,8 @@ class LightningIndexer(nn.Module):
         valid = (pos.unsqueeze(0) <= positions.unsqueeze(1)) & (cand >= 0)
 
         keys = self.index_cache[cand.clamp(min=0)].float()  # [T, C, Di]
+        if fp8:  # the real key is e4m3 * its token's scale
+            keys = keys * self.key_scale[cand.clamp(min=0)].unsqueeze(-1)
         logits = torch.einsum("thd,tcd->thc", q.float(), keys).relu()
         score = torch.einsum("thc,th->tc", logits, w)
         score = score.masked_fill(~valid, float("-inf"))
@@ -287,6 +295,16 @@ class MLAAttention(nn.Module):
         self.w_o = nn.Parameter(torch.empty(cfg.hidden_size, h * cfg.v_head_dim))
         self.indexer = LightningIndexer(cfg) if cfg.has_indexer(layer) else None
         self.register_buffer("kv_cache", torch.zeros(0, cfg.kv_dim), persistent=False)  # sized by DSAModel
+        # FP8 KV with kv_scales="block": fp32 [rows, ceil(kv_dim / 128)], written by kv_store beside each row
+        self.register_buffer("kv_block_scales", torch.zeros(0), persistent=False)
+
+    def kv_scale_args(self) -> tuple:
+        """The scale arguments of this layer's ``kv_store`` and ``sparse_mla`` calls: none for a cache
+        in the model's dtype; ``(kv_scale,)`` for FP8 per tensor; ``(None, block_scales)`` per 128 columns."""
+        cfg = self.cfg
+        if cfg.kv_dtype != "fp8":
+            return ()
+        return (cfg.kv_scale,) if cfg.kv_scales == "tensor" else (None, self.kv_block_scales)
 
     def forward(self, x: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor, page_table: Tensor,
                 topk: Tensor | None, rope: tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
@@ -305,14 +323,16 @@ class MLAAttention(nn.Module):
         kv_a = F.linear(x, self.wkv_a)
         c_kv = self.kv_a_norm(kv_a[:, :dc])
         k_pe = apply_rope(kv_a[:, dc:], cos, sin)
-        KV_STORE(self.kv_cache, slots, torch.cat([c_kv, k_pe], dim=-1).to(self.kv_cache.dtype))
+        row = torch.cat([c_kv, k_pe], dim=-1)
+        scales = self.kv_scale_args()
+        KV_STORE(self.kv_cache, slots, row if scales else row.to(self.kv_cache.dtype), *scales)  # FP8: quantized there
 
         if self.indexer is not None:
             topk = self.indexer(x, q_a, positions, req_ids, slots, page_table, idx_cos, idx_sin)
         assert topk is not None, "a layer without an indexer needs the previous indexer's top-k"
 
         q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
-        out, lse = SPARSE_MLA(q_lat, q_pe.contiguous(), self.kv_cache, topk, cfg.sm_scale)
+        out, lse = SPARSE_MLA(q_lat, q_pe.contiguous(), self.kv_cache, topk, cfg.sm_scale, *scales)
         o = torch.einsum("thc,hcv->thv", out, self.w_uv)
         o = o.flatten(1)
         o = torch.nn.functional.linear(o, self.w_o)
@@ -352,7 +372,9 @@ class DSAModel(nn.Module):
     (compile with the same ``index_cache`` option).
 
     Weights are drawn on the CPU from ``seed`` (the same values on every device), then
-    cast/moved; caches are allocated directly at ``dtype``/``device``. ``model.to(...)`` keeps
+    cast/moved; caches are allocated directly at ``dtype``/``device`` (the KV and index-key caches at
+    the config's ``kv_dtype`` / ``index_key_dtype`` when it names one: FP8 E4M3 with their scales,
+    which ``kv_store`` writes and the attention and the indexer read; docs/models.md, "FP8 KV"). ``model.to(...)`` keeps
     the KV layouts (``_apply`` re-records them).
 
     Buffers (non-persistent): ``layers[i].attn.kv_cache`` for every layer,
@@ -421,18 +443,25 @@ class DSAModel(nn.Module):
             raise ValueError(f"index_cache must be 'replicated' or 'sharded', got {index_cache!r}")
         self.dcp_size = dcp_size if kv_rows is None else 1
         self.index_cache = index_cache
-        ref = self.embed
+        ref, cfg = self.embed, self.cfg
+        kv_dtype = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}.get(cfg.kv_dtype, ref.dtype)
+        key_dtype = torch.float8_e4m3fn if cfg.index_key_dtype == "fp8" else ref.dtype
+        none = torch.zeros(0, device=ref.device)
         for layer in self.layers:
             attn = layer.attn
             if kv_rows is None:
-                attn.kv_cache = allocate_kv_cache(self.num_slots, self.cfg.kv_dim, dcp_size=dcp_size,
-                                                  interleave=interleave, dtype=ref.dtype, device=ref.device)
+                attn.kv_cache = allocate_kv_cache(self.num_slots, cfg.kv_dim, dcp_size=dcp_size,
+                                                  interleave=interleave, dtype=kv_dtype, device=ref.device)
             else:
-                attn.kv_cache = torch.zeros(kv_rows, self.cfg.kv_dim, dtype=ref.dtype, device=ref.device)
+                attn.kv_cache = torch.zeros(kv_rows, cfg.kv_dim, dtype=kv_dtype, device=ref.device)
+            fp8_blocks = cfg.kv_dtype == "fp8" and cfg.kv_scales == "block"
+            attn.kv_block_scales = allocate_block_scales(attn.kv_cache) if fp8_blocks else none
             if attn.indexer is not None:
                 attn.indexer.index_cache = allocate_index_cache(
-                    self.num_slots, self.cfg.index_head_dim, dcp_size=dcp_size, interleave=interleave,
-                    sharded=index_cache == "sharded", dtype=ref.dtype, device=ref.device)
+                    self.num_slots, cfg.index_head_dim, dcp_size=dcp_size, interleave=interleave,
+                    sharded=index_cache == "sharded", dtype=key_dtype, device=ref.device)
+                attn.indexer.key_scale = allocate_block_scales(attn.indexer.index_cache, per_row=True) \
+                    if cfg.index_key_dtype == "fp8" else none
 
     def _apply(self, fn, recurse=True):
         # A move/cast makes new cache tensors; keep their recorded KV layouts and index-cache marks.
@@ -440,7 +469,18 @@ class DSAModel(nn.Module):
             [(layer.attn.indexer, "index_cache") for layer in self.layers if layer.attn.indexer is not None] \
             if hasattr(self, "layers") else []
         before = [(kv_layout(getattr(m, name)), is_index_cache(getattr(m, name))) for m, name in owners]
+        # FP8 caches and their fp32 scales keep their dtype through model.to(dtype): a cast would drop
+        # the quantization (or round the scales); only the device follows fn
+        pinned = [(m, name, getattr(m, name)) for m, name in owners
+                  if getattr(m, name).dtype == torch.float8_e4m3fn] + \
+            [(m, name, getattr(m, name)) for m in self.modules() for name in ("kv_block_scales", "key_scale")
+             if isinstance(getattr(m, name, None), Tensor) and getattr(m, name).numel()] \
+            if hasattr(self, "layers") else []
         out = super()._apply(fn, recurse)
+        for module, name, old in pinned:
+            new = getattr(module, name)
+            if new.dtype != old.dtype:
+                setattr(module, name, old.to(device=new.device))
         for (module, name), (layout, index) in zip(owners, before):
             cache = getattr(module, name)
             if (layout is None or kv_layout(cache) is not None) and (not index or is_index_cache(cache)):
@@ -478,6 +518,10 @@ class DSAModel(nn.Module):
             c.zero_()
         for c in self.index_caches().values():
             c.zero_()
+        for layer in self.layers:  # FP8 caches' scales
+            layer.attn.kv_block_scales.zero_()
+            if layer.attn.indexer is not None:
+                layer.attn.indexer.key_scale.zero_()
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor,

@@ -166,14 +166,14 @@ class DCPRewrite(DCPPass):
                  checks: _DebugChecks | None) -> int:
         graph, attn, n = gm.graph, layer.attn, ctx.dcp_size
         emit = Emitter(graph, like=attn)
-        q_nope, q_pe, kv, topk, scale = attn.args
+        q_nope, q_pe, kv, topk, *rest = attn.args  # rest: sm_scale [, kv_scale, block_scales] (FP8 KV)
         with graph.inserting_before(attn):
             if checks is not None:
                 checks.insert(topk, kv, index)
             local = emit(operator.getitem, emit(TOPK_REMAP, topk, n, ctx.rank, ctx.options.interleave), 0)
             if layer.tp is not None:  # the DCP group's heads: each rank's H/T, in DCP-rank order
                 q_nope, q_pe = gather_group_query(emit, q_nope, q_pe, n, ctx.group_name)
-        attn.args = (q_nope, q_pe, kv, local, scale)
+        attn.args = (q_nope, q_pe, kv, local, *rest)
         if layer.tp is not None:
             refresh_meta([attn])
 

@@ -3,8 +3,9 @@
 Expects: dynamo's graph of a step. A lightning indexer is recognized from its ``torch.topk`` node
 backwards by ``passes/match/indexer.py`` (the forms are listed there).
 
-Leaves: ``topk = topk_select(index_scores(q, w, index_cache, None, page_table, req, positions, P),
-page_table, req, P, K)`` in its place (the index-cache write before it is untouched). The result
+Leaves: ``topk = topk_select(index_scores(q, w, index_cache, key_scale, page_table, req, positions, P),
+page_table, req, P, K)`` in its place (``key_scale``: ``None``, or FP8 keys' per-token scales; the
+index-cache write before it is untouched). The result
 differs from the model's only by floating-point reassociation of the scores, by the tie rule (at
 the K-th score, the lowest candidate positions win) and by order: ``topk_select`` lists the
 selection in ascending candidate position, so the pass rewrites only an indexer whose top-k is read
@@ -34,7 +35,7 @@ def replace(match: IndexerMatch, graph: fx.Graph) -> fx.Node:
     """Insert the ops before ``match.result``, rewire its users, erase what only the pattern used."""
     emit = F.Emitter(graph, like=match.topk)
     with graph.inserting_before(match.result):
-        scores = emit(INDEX_SCORES, match.q, match.w, match.index_cache, None, match.page_table, match.req_ids,
+        scores = emit(INDEX_SCORES, match.q, match.w, match.index_cache, match.key_scale, match.page_table, match.req_ids,
                       match.positions, match.page_size)
         topk = emit(TOPK_SELECT, scores, match.page_table, match.req_ids, match.page_size, match.k)
         if F.dtype(match.result) == torch.int64:

@@ -58,8 +58,10 @@ def _write_slots_and_rows(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
-# KV dtypes the contract accepts: bf16/fp16 for serving, fp32 as the exact reference dtype.
-KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# KV dtypes the contract accepts: bf16/fp16 for serving, fp32 as the exact reference dtype, and FP8
+# E4M3 written by kv_store with its scale (kv_store quantizes; the attention reads the scale).
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 
 def kv_caches_read_by_attention(gm: fx.GraphModule) -> tuple[dict[fx.Node, fx.Node], list[str]]:
@@ -134,6 +136,14 @@ class LocalizeKVWrites(DCPPass):
                 if _is_attention_read(user, base) or _is_index_read(user, base):
                     continue
                 if _is_localizable_write(user, base):
+                    cache = inputs.get(base)
+                    if isinstance(cache, torch.Tensor) and cache.dtype in FP8_KV_DTYPES and user.target is not KV_STORE:
+                        plan.problems.append(
+                            f"FP8 KV cache {base.name} is written by {user.format_node()}: an FP8 cache must be written "
+                            f"by kv_store with its scale (kv_store(cache, slots, rows, kv_scale) or block_scales=), "
+                            f"which quantizes and saturates the rows; a plain write would cast them without a "
+                            f"scale{where(user)}")
+                        continue
                     plan.writes.append((user, base, *_write_slots_and_rows(user)))
                     continue
                 plan.problems.append(
@@ -159,7 +169,10 @@ class LocalizeKVWrites(DCPPass):
             with graph.inserting_before(user):
                 if slots not in localized:
                     localized[slots] = emit(localize_slots, slots, n, rank, interleave)
-                emit(KV_STORE, base, localized[slots], rows)
+                # an FP8 store's scale arguments (kv_scale, block_scales) go along: the block scales
+                # have the cache's rows, so the localized slots index them too
+                scales = tuple(user.args[3:]) if user.target is KV_STORE else ()
+                emit(KV_STORE, base, localized[slots], rows, *scales)
             user.replace_all_uses_with(base)  # in-place writes return their target
             graph.erase_node(user)
         positions = localize_writes(gm, plan.position_writes, local_views(gm, ctx.example_inputs), n, rank,
@@ -190,11 +203,8 @@ def _layout_problems(base: fx.Node, cache: object, n: int, interleave: int) -> l
         return [f"cannot find the tensor behind KV cache input {base.name}"]
     problems = []
     if cache.dtype not in KV_DTYPES:
-        extra = (" (the sparse_mla kernels read FP8 E4M3 KV with a per-tensor kv_scale, but the model path "
-                 "does not quantize KV writes or carry the scale yet)") \
-            if cache.dtype == torch.float8_e4m3fn else ""
         problems.append(f"KV cache {base.name} has dtype {cache.dtype}; supported: "
-                        f"{[str(d).replace('torch.', '') for d in KV_DTYPES]}{extra}")
+                        f"{[str(d).replace('torch.', '') for d in KV_DTYPES]}")
     layout = kv_layout(cache)
     if layout is None:
         problems.append(

@@ -71,8 +71,15 @@ class RecognizeSparseAttention(DCPPass):
         if not layouts:
             return RecognitionPlan(problems=problems, layouts=layouts, matches=matches, writes=writes)
         if ctx.dcp_size > 1:  # at 1, a cache allocated for a group is refused by validation (kv_writes)
+            values = F.placeholder_values(gm, ctx.example_inputs)
             for cache, layout in layouts.items():
                 problems += layout_problems(cache, layout, ctx.dcp_size, ctx.options.interleave)
+                if getattr(values.get(cache), "dtype", None) == torch.float8_e4m3fn:
+                    problems.append(
+                        f"position cache {cache.name} is FP8 E4M3: the position-cache writes and the attention over "
+                        f"position caches carry no scale (FP8 KV under DCP is for slot caches written by kv_store "
+                        f"with its scale: DSAModel with kv_dtype='fp8', docs/models.md); keep this cache in bf16, "
+                        f"fp16 or fp32{where(cache)}")
         for node in gm.graph.nodes:
             if F.calls(node, SOFTMAX, ("softmax",)):
                 match, why = match_softmax_attention(node, caches)

@@ -7,6 +7,7 @@ By structure (never by module names), in the form ``LightningIndexer.forward`` o
     cand  = (pages.unsqueeze(-1) * P + arange(P)).flatten(1)  # or a reshape/view to [T, C]
     valid = (arange(C)[None] <= positions[:, None]) & (cand >= 0)     # any and/or/not of these
     keys  = index_cache[cand.clamp(min=0)] [.float()]
+            [* key_scale[cand.clamp(min=0)].unsqueeze(-1)]   # FP8 keys with one fp32 scale a token
     logits = einsum("thd,tcd->thc", q [.float()], keys).relu()         # or q @ keys.transpose(1, 2)
     score = einsum("thc,th->tc", logits, w)                  # or (logits * w[..., None]).sum(1), a matmul
     score = score.masked_fill(~valid, -inf)                  # or torch.where(valid, score, -inf)
@@ -71,6 +72,7 @@ class IndexerMatch:
     page_size: int
     k: int
     nodes: list[fx.Node]  # every node of the pattern (erased once nothing else uses it)
+    key_scale: fx.Node | None = None  # FP8 keys: the per-token fp32 scales [S]
 
 
 class _Matcher:
@@ -80,6 +82,7 @@ class _Matcher:
         self.topk = topk
         self.nodes: list[fx.Node] = [topk]
         self.positions: fx.Node | None = None
+        self.key_scale: fx.Node | None = None
 
     def take(self, *nodes: fx.Node) -> None:
         self.nodes += [n for n in nodes if isinstance(n, fx.Node)]
@@ -116,7 +119,8 @@ class _Matcher:
         if F.shape(q) != (t, heads, (F.shape(cache) or (0, 0))[1]) or F.shape(w) != (t, heads):
             raise NoMatch(f"q {F.shape(q)}, w {F.shape(w)} and the index cache {F.shape(cache)} are not [T, H, D], [T, H] "
                           f"and [S, D]")
-        match = IndexerMatch(topk, result, q, w, cache, page_table, req, self.positions, page_size, k, self.nodes)
+        match = IndexerMatch(topk, result, q, w, cache, page_table, req, self.positions, page_size, k, self.nodes,
+                             self.key_scale)
         self._check_inputs(match)
         return match
 
@@ -462,7 +466,22 @@ class _Matcher:
         raise NoMatch(f"{getattr(node, 'name', node)} is not a transpose of the last two dims")
 
     @staticmethod
+    def _scaled(node: object) -> tuple[fx.Node, fx.Node] | None:
+        """``(keys, unsqueeze)`` of ``keys * key_scale[index].unsqueeze(-1)`` (either order), else None."""
+        if F.op_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
+            return None
+        for keys, scale in (node.args, node.args[::-1]):
+            if isinstance(keys, fx.Node) and F.op_name(scale) == "unsqueeze" and F.arg(scale, 1, "dim") in (-1, 2) \
+                    and F.op_name(scale.args[0]) == "getitem" and isinstance(scale.args[0].args[0], fx.Node) \
+                    and scale.args[0].args[0].op == "placeholder":
+                return keys, scale
+        return None
+
+    @staticmethod
     def _is_keys(node: object) -> bool:
+        scaled = _Matcher._scaled(node)
+        if scaled is not None:
+            node = scaled[0]
         if _dtype_arg(node) == torch.float32:
             node = node.args[0]
         return F.op_name(node) == "getitem" and isinstance(node.args[1], fx.Node) and isinstance(node.args[0], fx.Node) \
@@ -478,30 +497,53 @@ class _Matcher:
         return q
 
     def _key_gather(self, keys: fx.Node, cand: fx.Node) -> fx.Node:
-        """``index_cache[cand.clamp(min=0)]`` [widened to fp32]: the cache placeholder."""
+        """``index_cache[cand.clamp(min=0)]`` [widened to fp32] [times the FP8 keys' per-token
+        scales read at the same candidates]: the cache placeholder (the scales: ``self.key_scale``)."""
+        floats = _FLOATS
+        scaled = self._scaled(keys)
+        if scaled is not None:  # FP8 keys: e4m3 widened to fp32, times key_scale[slot], as index_scores reads them
+            if len(keys.users) != 1:
+                raise NoMatch(f"the scaled keys {keys.name} are read by more than the products")
+            self.take(keys)
+            keys, unsqueeze = scaled
+            gather = unsqueeze.args[0]
+            scale, index = gather.args
+            if len(unsqueeze.users) != 1 or len(gather.users) != 1 or F.dtype(scale) != torch.float32 \
+                    or len(F.shape(scale) or ()) != 1:
+                raise NoMatch(f"the key scales {gather.name} are not one fp32 scale a slot, read once")
+            self._check_index(index, cand, "key scales")
+            self.take(unsqueeze, gather, index)
+            self.key_scale = scale
+            floats = (torch.float8_e4m3fn,)
         if _dtype_arg(keys) == torch.float32:
-            if len(keys.users) != 1 or F.dtype(keys.args[0]) not in _FLOATS:
+            if len(keys.users) != 1 or F.dtype(keys.args[0]) not in floats:
                 raise NoMatch(f"the keys {keys.name} are not an exact widening of the cache's rows")
             self.take(keys)
             keys = keys.args[0]
         cache, index = keys.args
-        if len(keys.users) != 1 or F.dtype(cache) not in _FLOATS or len(F.shape(cache) or ()) != 2:
-            raise NoMatch(f"the key gather {keys.name} does not read a 2-d fp32/bf16/fp16 index cache once")
+        if len(keys.users) != 1 or F.dtype(cache) not in floats or len(F.shape(cache) or ()) != 2:
+            raise NoMatch(f"the key gather {keys.name} does not read a 2-d index cache once (fp32/bf16/fp16, or FP8 "
+                          f"times its per-token scales)")
+        self._check_index(index, cand, "keys")
+        self.take(keys, index)
+        return cache
+
+    @staticmethod
+    def _check_index(index: object, cand: fx.Node, what: str) -> None:
         name = F.op_name(index)
         clamped = name == "clamp_min" and F.arg(index, 1, "min") == 0 or \
             name == "clamp" and F.arg(index, 1, "min") == 0 and F.arg(index, 2, "max") is None
         if not clamped or index.args[0] is not cand or len(index.users) != 1:
-            raise NoMatch(f"the keys are read at {index.format_node() if isinstance(index, fx.Node) else index}, "
+            raise NoMatch(f"the {what} are read at {index.format_node() if isinstance(index, fx.Node) else index}, "
                           f"not at cand.clamp(min=0) of the same candidates")
-        self.take(keys, index)
-        return cache
 
     def _check_inputs(self, match: IndexerMatch) -> None:
         """Nothing writes what the ops read between the pattern's reads and the result."""
         graph = self.topk.graph
         position = {n: i for i, n in enumerate(graph.nodes)}
         start, end = min(position[n] for n in self.nodes), position[match.result]
-        inputs = (match.q, match.w, match.index_cache, match.page_table, match.req_ids, match.positions)
+        inputs = (match.q, match.w, match.index_cache, match.page_table, match.req_ids, match.positions) + \
+            ((match.key_scale,) if match.key_scale is not None else ())
         for node in inputs:
             for user in node.users:
                 if start < position[user] < end and user not in self.nodes and F.mutates(user, node):
