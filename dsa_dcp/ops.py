@@ -4,8 +4,10 @@ Each op is a ``torch.library`` custom op, so dynamo records it as one node, its 
 implementation gives output metadata during tracing, and in-place writes are declared. The
 contracts (single-rank meaning) are written once here and in ``docs/ops.md``:
 
-``kv_store(cache[S, D], slots[B], rows[B, D])``
-    In place ``cache[slots[i]] = rows[i]``; negative slots are skipped. No host sync on CUDA.
+``kv_store(cache[S, D], slots[B], rows[B, D], kv_scale=None)``
+    In place ``cache[slots[i]] = rows[i]``; negative slots are skipped. No host sync on CUDA. An
+    FP8 cache is written quantized with ``kv_scale``, or, with one scale per 128 columns, by
+    ``kv_store_block_scaled(cache, slots, rows, block_scales)`` (docs/ops.md, "FP8 KV").
 
 ``sparse_mla(q_nope[B, H, Dc], q_pe[B, H, Dr], kv[S, Dc + Dr], topk[B, K], sm_scale) -> (out[B, H, Dc], lse[B, H])``
     Softmax attention of each row over the KV rows named in ``topk`` (negative entries skipped;
@@ -90,21 +92,42 @@ def _sparse_mla_fake_outputs(q_nope: Tensor) -> tuple[Tensor, Tensor]:
 # --------------------------------------------------------------------------- kv_store
 
 
-@torch.library.custom_op("dsa_dcp::kv_store", mutates_args=("cache", "block_scales"))
-def kv_store(cache: Tensor, slots: Tensor, rows: Tensor, kv_scale: float | None = None,
-             block_scales: Tensor | None = None) -> None:
-    kernels.kv_store_reference(cache, slots, rows, kv_scale, block_scales)
+# Two ops, one contract (dsa_dcp/kernels/kv_store.py): the per-128-column scales are a second
+# written argument, so they get their own op with every argument required (an omitted optional
+# argument that an op writes breaks torch 2.11's in-place bookkeeping of custom ops).
+
+
+@torch.library.custom_op("dsa_dcp::kv_store", mutates_args=("cache",))
+def kv_store(cache: Tensor, slots: Tensor, rows: Tensor, kv_scale: float | None = None) -> None:
+    kernels.kv_store_reference(cache, slots, rows, kv_scale)
 
 
 @kv_store.register_kernel("cuda")
-def _kv_store_cuda(cache: Tensor, slots: Tensor, rows: Tensor, kv_scale: float | None = None,
-                   block_scales: Tensor | None = None) -> None:
-    kernels.kv_store_triton(cache, slots, rows, kv_scale, block_scales)
+def _kv_store_cuda(cache: Tensor, slots: Tensor, rows: Tensor, kv_scale: float | None = None) -> None:
+    kernels.kv_store_triton(cache, slots, rows, kv_scale)
 
 
 @kv_store.register_fake
-def _kv_store_fake(cache: Tensor, slots: Tensor, rows: Tensor, kv_scale: float | None = None,
-                   block_scales: Tensor | None = None) -> None:
+def _kv_store_fake(cache: Tensor, slots: Tensor, rows: Tensor, kv_scale: float | None = None) -> None:
+    _check_kv_store(cache, slots, rows, kv_scale, None)
+
+
+@torch.library.custom_op("dsa_dcp::kv_store_block_scaled", mutates_args=("cache", "block_scales"))
+def kv_store_block_scaled(cache: Tensor, slots: Tensor, rows: Tensor, block_scales: Tensor) -> None:
+    kernels.kv_store_reference(cache, slots, rows, None, block_scales)
+
+
+@kv_store_block_scaled.register_kernel("cuda")
+def _kv_store_block_scaled_cuda(cache: Tensor, slots: Tensor, rows: Tensor, block_scales: Tensor) -> None:
+    kernels.kv_store_triton(cache, slots, rows, None, block_scales)
+
+
+@kv_store_block_scaled.register_fake
+def _kv_store_block_scaled_fake(cache: Tensor, slots: Tensor, rows: Tensor, block_scales: Tensor) -> None:
+    _check_kv_store(cache, slots, rows, None, block_scales)
+
+
+def _check_kv_store(cache: Tensor, slots: Tensor, rows: Tensor, kv_scale, block_scales) -> None:
     if slots.dim() != 1 or rows.dim() != 2 or rows.shape[0] != slots.shape[0] or rows.shape[1] != cache.shape[1]:
         raise ValueError(
             f"kv_store: want cache [S, D], slots [B], rows [B, D]; got {tuple(cache.shape)}, "
@@ -285,6 +308,8 @@ def normalize_attention_result(out: Tensor, lse: Tensor, topk: Tensor, lse_base:
 # The one home of the overloads the passes, models and tools refer to.
 
 KV_STORE = torch.ops.dsa_dcp.kv_store.default
+KV_STORE_BLOCK_SCALED = torch.ops.dsa_dcp.kv_store_block_scaled.default
+KV_STORES = (KV_STORE, KV_STORE_BLOCK_SCALED)  # a KV write: (cache, slots, rows, *scale)
 SPARSE_MLA = torch.ops.dsa_dcp.sparse_mla.default
 TOPK_REMAP = torch.ops.dsa_dcp.topk_remap.default
 LSE_COMBINE = torch.ops.dsa_dcp.lse_combine.default

@@ -16,6 +16,7 @@ from dsa_dcp.slots import local_cache_rows, local_row, owner
 
 pytestmark = pytest.mark.usefixtures("kept_ranks")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' device (interpreted on CPU)
 E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
 
 
@@ -101,8 +102,14 @@ def test_fp8_kv_store_writes_the_contract_bytes(impl, form, d, rows_dtype):
     cache = torch.full((s, d), sentinel, dtype=torch.uint8).view(torch.float8_e4m3fn)
     groups = -(-d // 128)
     scales = torch.full((s, groups), -3.0) if form == "block" else None
-    store = kv_store_mod.kv_store_reference if impl == "reference" else kv_store_mod.kv_store_triton
-    store(cache, slots, rows, kv_scale, scales)
+    if impl == "reference":
+        kv_store_mod.kv_store_reference(cache, slots, rows, kv_scale, scales)
+    else:
+        on = [t.to(DEVICE) if t is not None else None for t in (cache, slots, rows, scales)]
+        kv_store_mod.kv_store_triton(on[0], on[1], on[2], kv_scale, on[3])
+        cache.copy_(on[0].cpu())
+        if scales is not None:
+            scales.copy_(on[3].cpu())
 
     want, want_scales = _brute_store(rows.float(), kv_scale, form == "block")
     got = cache.view(torch.uint8)
@@ -157,7 +164,9 @@ def test_sparse_mla_reads_block_scales(d, impl):
     if impl == "reference":
         out, lse = sparse_mla_mod.sparse_mla_reference(q_nope, q_pe, cache, topk, 0.3, block_scales=scales)
     else:
-        out, lse = sparse_mla_mod.sparse_mla_triton(q_nope, q_pe, cache, topk, 0.3, block_scales=scales, **TILES[impl])
+        out, lse = sparse_mla_mod.sparse_mla_triton(*(t.to(DEVICE) for t in (q_nope, q_pe, cache, topk)), 0.3,
+                                                    block_scales=scales.to(DEVICE), **TILES[impl])
+        out, lse = out.cpu(), lse.cpu()
     want_out, want_lse = sparse_mla_mod.sparse_mla_reference(q_nope.double(), q_pe.double(), real, topk, 0.3,
                                                              compute_dtype=torch.float64)
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5 * want_out.abs().max().item())
@@ -236,7 +245,10 @@ class _Writer(torch.nn.Module):
         self.kv_scale = 0.75 if form == "tensor" else None
 
     def forward(self, slots, rows):
-        torch.ops.dsa_dcp.kv_store.default(self.cache, slots, rows, self.kv_scale, self.scales)
+        if self.scales is None:
+            torch.ops.dsa_dcp.kv_store.default(self.cache, slots, rows, self.kv_scale)
+        else:
+            torch.ops.dsa_dcp.kv_store_block_scaled.default(self.cache, slots, rows, self.scales)
         return rows.sum()
 
 

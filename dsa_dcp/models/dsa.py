@@ -57,6 +57,7 @@ from .config import DSAConfig
 # The model calls the overloads (not the packets) so dynamo records the exact targets the passes
 # look for (``dsa_dcp.ops.SPARSE_ATTENTION_OPS``, ``passes.kv_writes.KV_STORE``).
 KV_STORE = torch.ops.dsa_dcp.kv_store.default
+KV_STORE_BLOCK_SCALED = torch.ops.dsa_dcp.kv_store_block_scaled.default
 SPARSE_MLA = torch.ops.dsa_dcp.sparse_mla.default
 
 __all__ = ["DSAModel", "DSALayer", "MLAAttention", "LightningIndexer", "SwiGLU", "RMSNorm",
@@ -239,7 +240,7 @@ class LightningIndexer(nn.Module):
         k = self._rope_first(self.k_norm(F.linear(x, self.wk)), cos, sin)
         fp8 = cfg.index_key_dtype == "fp8"
         if fp8:  # quantized by kv_store, its per-token scale written beside it
-            KV_STORE(self.index_cache, slots, k, None, self.key_scale)
+            KV_STORE_BLOCK_SCALED(self.index_cache, slots, k, self.key_scale)
         else:
             KV_STORE(self.index_cache, slots, k.to(self.index_cache.dtype))
 
@@ -325,7 +326,12 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope(kv_a[:, dc:], cos, sin)
         row = torch.cat([c_kv, k_pe], dim=-1)
         scales = self.kv_scale_args()
-        KV_STORE(self.kv_cache, slots, row if scales else row.to(self.kv_cache.dtype), *scales)  # FP8: quantized there
+        if cfg.kv_dtype != "fp8":
+            KV_STORE(self.kv_cache, slots, row.to(self.kv_cache.dtype))
+        elif cfg.kv_scales == "tensor":  # FP8: quantized by the store
+            KV_STORE(self.kv_cache, slots, row, cfg.kv_scale)
+        else:
+            KV_STORE_BLOCK_SCALED(self.kv_cache, slots, row, self.kv_block_scales)
 
         if self.indexer is not None:
             topk = self.indexer(x, q_a, positions, req_ids, slots, page_table, idx_cos, idx_sin)

@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from dsa_dcp import merge
 from dsa_dcp.passes import fx as F
-from dsa_dcp.ops import FUSED_A2A_MERGE, FUSED_REMAPS, KV_STORE, LSE_COMBINE, SPARSE_ATTENTION_OPS, TOPK_REMAP
+from dsa_dcp.ops import FUSED_A2A_MERGE, FUSED_REMAPS, KV_STORES, LSE_COMBINE, SPARSE_ATTENTION_OPS, TOPK_REMAP
 from dsa_dcp.ops_positions import POSITION_STORE
 
 
@@ -34,7 +34,7 @@ def node_kind(node: fx.Node) -> str | None:
         return "sparse_attention"
     if node.target is TOPK_REMAP or node.target in FUSED_REMAPS:  # a remap fused with its selection counts
         return "topk_remap"
-    if node.target is KV_STORE or node.target is POSITION_STORE:
+    if node.target in KV_STORES or node.target is POSITION_STORE:
         return "kv_write"
     if node.target in MERGE_TARGETS:
         return "merge"

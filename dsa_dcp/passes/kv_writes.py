@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from dsa_dcp.kv_cache import kv_layout
-from dsa_dcp.ops import INDEX_SCORES, KV_STORE, SPARSE_ATTENTION_OPS
+from dsa_dcp.ops import INDEX_SCORES, KV_STORES, SPARSE_ATTENTION_OPS
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
 from dsa_dcp.passes.fx import Emitter, alias_base, placeholder_values
@@ -44,7 +44,7 @@ from dsa_dcp.slots import localize_slots
 
 def _write_slots_and_rows(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(slots, rows)`` of a write this pass can localize, else ``None``."""
-    if node.op == "call_function" and node.target is KV_STORE:
+    if node.op == "call_function" and node.target in KV_STORES:
         return node.args[1], node.args[2]
     if node.op == "call_method" and node.target == "index_put_":
         indices, values = node.args[1], node.args[2]
@@ -137,10 +137,10 @@ class LocalizeKVWrites(DCPPass):
                     continue
                 if _is_localizable_write(user, base):
                     cache = inputs.get(base)
-                    if isinstance(cache, torch.Tensor) and cache.dtype in FP8_KV_DTYPES and user.target is not KV_STORE:
+                    if isinstance(cache, torch.Tensor) and cache.dtype in FP8_KV_DTYPES and user.target not in KV_STORES:
                         plan.problems.append(
                             f"FP8 KV cache {base.name} is written by {user.format_node()}: an FP8 cache must be written "
-                            f"by kv_store with its scale (kv_store(cache, slots, rows, kv_scale) or block_scales=), "
+                            f"by kv_store with its scale (kv_store(cache, slots, rows, kv_scale) or kv_store_block_scaled(cache, slots, rows, block_scales)), "
                             f"which quantizes and saturates the rows; a plain write would cast them without a "
                             f"scale{where(user)}")
                         continue
@@ -171,8 +171,8 @@ class LocalizeKVWrites(DCPPass):
                     localized[slots] = emit(localize_slots, slots, n, rank, interleave)
                 # an FP8 store's scale arguments (kv_scale, block_scales) go along: the block scales
                 # have the cache's rows, so the localized slots index them too
-                scales = tuple(user.args[3:]) if user.target is KV_STORE else ()
-                emit(KV_STORE, base, localized[slots], rows, *scales)
+                store, scales = (user.target, tuple(user.args[3:])) if user.target in KV_STORES else (KV_STORES[0], ())
+                emit(store, base, localized[slots], rows, *scales)
             user.replace_all_uses_with(base)  # in-place writes return their target
             graph.erase_node(user)
         positions = localize_writes(gm, plan.position_writes, local_views(gm, ctx.example_inputs), n, rank,

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from dsa_dcp.kv_cache import is_index_cache, kv_layout
-from dsa_dcp.ops import CHECK_PAGES, CHECK_SLOTS, INDEX_SCORES, INDEX_SCORES_SHARDED, KV_STORE, TOPK_AGREE, \
+from dsa_dcp.ops import CHECK_PAGES, CHECK_SLOTS, INDEX_SCORES, INDEX_SCORES_SHARDED, KV_STORES, TOPK_AGREE, \
     TOPK_AGREE_REMAP, TOPK_REMAP, TOPK_SELECT, TOPK_SELECT_REMAP
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.fx import Emitter, alias_base, mutated_args, placeholder_values
@@ -112,8 +112,8 @@ class SlotBounds(DCPPass):
         # the KV writes' slots (one localization per slots tensor, shared by the layers' writes)
         plan.slot_checks = guards(
             readers_of(lambda n: (n.args[0],) if n.target is localize_slots and any(
-                u.target is KV_STORE for u in n.users) else None), 0, CHECK_SLOTS,  # not a position cache's
-            lambda key, batch: (min((pool_of(u.args[0]) for loc in batch for u in loc.users if u.target is KV_STORE),
+                u.target in KV_STORES for u in n.users) else None), 0, CHECK_SLOTS,  # not a position cache's
+            lambda key, batch: (min((pool_of(u.args[0]) for loc in batch for u in loc.users if u.target in KV_STORES),
                                     default=smallest), "the step's write slots"))
         # the page tables the indexer ops read, with the request ids and page size they read them by
         plan.page_checks = guards(
