@@ -38,6 +38,7 @@ from dsa_dcp.passes.errors import where
 from dsa_dcp.passes.fx import Emitter, alias_base, placeholder_values, users_in_order
 from dsa_dcp.passes.indexer import find_indexers
 from dsa_dcp.passes.kv_writes import _is_localizable_write as is_localizable_write
+from dsa_dcp.passes.match.position_indexer import POSITION_INDEXER
 
 
 @dataclasses.dataclass
@@ -52,7 +53,7 @@ def index_cache_inputs(gm: fx.GraphModule, example_inputs: tuple) -> dict[fx.Nod
     values = placeholder_values(gm, example_inputs)
     found = {node: value for node, value in values.items() if is_index_cache(value)}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is INDEX_SCORES:
+        if node.op == "call_function" and node.target is INDEX_SCORES and not node.meta.get(POSITION_INDEXER):
             base = alias_base(node.args[2])
             if base.op == "placeholder":
                 found.setdefault(base, values.get(base))

@@ -28,7 +28,7 @@ from dsa_dcp.ops import INDEX_SCORES, TOPK_SELECT
 from dsa_dcp.passes import fx as F
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan, log
 from dsa_dcp.passes.match.indexer import IndexerMatch, find_indexers
-from dsa_dcp.passes.match.position_indexer import PositionIndexerMatch, find_position_indexers
+from dsa_dcp.passes.match.position_indexer import POSITION_INDEXER, PositionIndexerMatch, find_position_indexers
 
 
 def replace(match: IndexerMatch, graph: fx.Graph) -> fx.Node:
@@ -68,6 +68,7 @@ def replace_position(match: PositionIndexerMatch, graph: fx.Graph) -> fx.Node:
                             -1, 1)
         last = emit(torch.full_like, req, t - 1)
         scores = emit(INDEX_SCORES, q, w, keys, None, pages, req, last, t)
+        scores.meta[POSITION_INDEXER] = True
         scores = emit.method("view", scores, _size(emit, match.w, 0), _size(emit, match.w, 1), t)
     match.scores.replace_all_uses_with(scores)
     masked = match.topk.args[0]

@@ -31,6 +31,10 @@ from dsa_dcp.passes.match.attention import SET_READ
 from dsa_dcp.passes.match.indexer import NoMatch
 
 _WIDENING = (torch.bfloat16, torch.float16, torch.float32)  # exact in fp32
+# ``meta`` key of the ``index_scores`` node the rewrite puts in place of such an indexer: its keys
+# are a request's positions, which stay whole on every rank (the ``index_cache`` pass shards paged
+# index caches only).
+POSITION_INDEXER = "dsa_dcp_position_indexer"
 
 
 @dataclasses.dataclass
