@@ -17,7 +17,8 @@ rank:
    all_to_all + combine over NCCL, replayed from CUDA graphs;
 4. **transformers** — transformers' ``GlmMoeDsaForCausalLM`` and ``DeepseekV32ForCausalLM``,
    unmodified (tiny random weights), compiled in place and run by ``model.generate`` on a
-   ``DCPStaticCache``, against the same model on this rank's device alone (bf16 and fp32 on a GPU).
+   ``DCPStaticCache``, against the same model compiled for this rank's device alone (``dcp_size=1``,
+   the single-rank program DCP must equal; bf16 and fp32 on a GPU).
 
 Rank 0 prints each row as it is measured (and timestamped progress on stderr), rewrites the JSON
 (``--json``) after every row, and prints the tables at the end. ``--parts`` picks parts (on two
@@ -170,10 +171,14 @@ def _hf_generate(model, dcp_size: int, steps: int, device: str, dtype: torch.dty
 
 def check_transformers(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     """transformers' DSA models, unmodified (tiny random weights, 4 layers): ``generate`` with the
-    model compiled in place under DCP against the same model on this rank's device alone (eager,
-    whole cache), in bf16 on a GPU and in fp32 everywhere, for each merge mode. On a GPU a first
-    row compiles the model with stock ``torch.compile`` on the GPU alone: how far compiled rounding
-    alone moves it from eager, the yardstick for the DCP rows in bf16."""
+    model compiled in place under DCP against the same model compiled for this rank's device alone
+    (``dcp_size=1``, whole cache: the single-rank program), in bf16 on a GPU and in fp32
+    everywhere, for each merge mode. The reference is compiled, not eager, because the indexer
+    kernels break exact ties at the K-th index score by position where ``torch.topk`` leaves the
+    order open (``docs/dcp.md``); with tiny random weights a row whose K-th score is an exact 0
+    (every head's relu 0) is common, and eager's pick among those positions is its own. On a GPU a
+    first row compiles the model with stock ``torch.compile`` on the GPU alone: how far compiled
+    rounding alone moves it from eager, the yardstick for the DCP rows in bf16."""
     from dsa_dcp.integrations.transformers import TINY_MODEL_TYPES, tiny_model
     from dsa_dcp.merge import MERGES
 
@@ -182,8 +187,12 @@ def check_transformers(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     for model_type in TINY_MODEL_TYPES:
         for dtype in dtypes:
             _progress(f"transformers {model_type} {dtype}: single-device reference")
+            torch._dynamo.reset()
             single = tiny_model(model_type, layers=4).to(device=spec.device, dtype=dtype)
             heads = single.config.num_attention_heads
+            single.compile(backend="dsa_dcp", fullgraph=True, options={
+                "dcp_size": 1, **({"lowering": spec.lowering} if spec.lowering else {}),
+                **({"cuda_graphs": spec.cuda_graphs} if spec.cuda_graphs is not None else {})})
             ref_tokens, ref_logits = _hf_generate(single, 1, spec.steps, spec.device, dtype)
             del single
             runs = [("stock dcp1", None)] if on_cuda else []  # None: stock torch.compile, this device alone
