@@ -58,6 +58,10 @@ class DCPOptions:
                   top-k) or ``"sharded"`` (each rank holds the keys of the slots it owns, scores
                   those, and the group agrees on the top-k with one all-gather per indexer layer;
                   the caches must be allocated for it, and it needs ``indexer_kernels``).
+    replicate_q:  for layers that hold a tensor-parallel shard of the heads (DCP inside TP): each
+                  rank holds its DCP group's query weights (``wq_b`` rows and absorbed ``W_UK`` of
+                  the group's heads, gathered once at compile time) and computes the group's query
+                  itself (default); ``False`` all-gathers the query over the DCP group each layer.
     mode:         ``torch.compile``'s ``mode=`` (one of ``MODES``), also given as an option:
                   ``"reduce-overhead"`` keeps CUDA graphs on for a CUDA step (refuses
                   ``cuda_graphs=False``); ``"max-autotune"`` and ``"max-autotune-no-cudagraphs"``
@@ -84,6 +88,7 @@ class DCPOptions:
     mode: str = "default"
     indexer_kernels: bool = True
     index_cache: str = "replicated"
+    replicate_q: bool = True
 
     @classmethod
     def parse(cls, options: dict[str, Any] | DCPOptions | None) -> DCPOptions:
@@ -154,7 +159,7 @@ class DCPOptions:
                      f"in 32-bit integers), got {self.dcp_size} * {self.interleave}")
         if not _member(self.lowering, LOWERINGS):
             p.append(f"lowering must be one of {list(LOWERINGS)}, got {self.lowering!r}")
-        for flag in ("share_remaps", "allow_multi_host", "debug_checks", "indexer_kernels"):
+        for flag in ("share_remaps", "allow_multi_host", "debug_checks", "indexer_kernels", "replicate_q"):
             if not isinstance(getattr(self, flag), bool):
                 p.append(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):

@@ -3,9 +3,12 @@ group of its TP group, on 4 gloo ranks, fp32, against the unsharded single-rank 
 
 Layouts (``dsa_dcp.topology.tp_dcp_groups``): TP 4 + DCP 2 (two DCP groups side by side), TP 4 +
 DCP 4, TP 2 + DCP 2 twice side by side (each TP group serving its own requests). Every merge mode
-runs for each family over the layouts; each rank's greedy tokens and logits equal the single-rank
-model's, every layer is rewritten as a TP layer, and each rank holds 1/N of the KV rows TP alone
-holds. The refusals are ``tests/test_tp_dcp_refusals.py``.
+runs for each family over the layouts, and each merge mode and each layout with both ``replicate_q``
+settings (a covering set of cases, not every product: compiles are the slow part); each rank's
+greedy tokens and logits equal the single-rank model's, every layer is rewritten as a TP layer, and
+each rank holds 1/N of the KV rows TP alone holds. With ``replicate_q`` no layer all-gathers its
+query and each rank holds the other DCP ranks' query weights (``replicated_query_bytes``); without
+it, one query all-gather a layer. The refusals are ``tests/test_tp_dcp_refusals.py``.
 """
 
 import pytest
@@ -18,10 +21,13 @@ pytestmark = pytest.mark.usefixtures("kept_ranks")
 
 STEPS, ROWS = 6, 16
 LAYERS = {"deepseek-v3.2-tiny": 2, "glm5.2-tiny": 4}  # GLM: layer 3 reuses layer 2's top-k
-# (tp, dcp) -> merges, per family: every merge for each family, every layout for both
+# (tp, dcp) -> (merge, replicate_q) cases, per family: every merge for each family, every layout for
+# both, and each merge and each layout with replicate_q on and off
 CASES = {
-    "deepseek-v3.2-tiny": {(4, 2): ("ag", "a2a", "ag_rs", "fused_a2a"), (4, 4): ("a2a",), (2, 2): ("ag_rs",)},
-    "glm5.2-tiny": {(4, 2): ("a2a",), (4, 4): ("ag", "fused_a2a"), (2, 2): ("a2a", "ag_rs")},
+    "deepseek-v3.2-tiny": {(4, 2): (("ag", True), ("a2a", False), ("ag_rs", True), ("fused_a2a", False)),
+                           (4, 4): (("a2a", True),), (2, 2): (("ag_rs", False),)},
+    "glm5.2-tiny": {(4, 2): (("a2a", True),), (4, 4): (("ag", False), ("fused_a2a", True)),
+                    (2, 2): (("a2a", False), ("ag_rs", True))},
 }
 
 
@@ -39,19 +45,20 @@ def _tp_dcp_rank(rank, world, family):
     from dsa_dcp.topology import tp_dcp_groups
 
     results = {}
-    for (tp, dcp), merges in CASES[family].items():
+    for (tp, dcp), cases in CASES[family].items():
         groups = tp_dcp_groups(tp, dcp)
         cfg, batch = _setup(family, _request_seed(tp, rank))
         full = DSAModel(cfg, batch.num_slots, seed=11)
-        for merge in merges:
+        for merge, replicate_q in cases:
             torch._dynamo.reset()
             model = DSAModel(cfg, batch.num_slots, dcp_size=dcp, seed=1, tp_size=tp, tp_group=groups.tp)
             model.load_unsharded(full)
-            options = {"dcp_size": dcp, "merge": merge, "lowering": "fx", "group": groups.dcp}
+            options = {"dcp_size": dcp, "merge": merge, "lowering": "fx", "group": groups.dcp,
+                       "replicate_q": replicate_q}
             step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
             with torch.no_grad():
                 out = generate(step, batch, STEPS, pad_to=ROWS)
-            results[tp, dcp, merge] = {"tokens": out.tokens, "logits": out.step_logits,
+            results[tp, dcp, merge, replicate_q] = {"tokens": out.tokens, "logits": out.step_logits,
                                        "kv_rows": [c.shape[0] for c in model.kv_caches()],
                                        "stats": dsa_dcp.backend_report().stats()["dcp_rewrite"]}
     return results
@@ -69,8 +76,8 @@ def test_tp_with_dcp_inside_matches_the_unsharded_model(family):
                 with torch.no_grad():
                     refs[seed] = (generate(single, batch, STEPS, pad_to=ROWS), single.kv_caches()[0].shape[0])
     for rank, results in enumerate(run_on_ranks(_tp_dcp_rank, 4, family, timeout=600)):
-        for (tp, dcp, merge), got in results.items():
-            what = (family, f"tp{tp}", f"dcp{dcp}", merge, rank)
+        for (tp, dcp, merge, replicate_q), got in results.items():
+            what = (family, f"tp{tp}", f"dcp{dcp}", merge, f"replicate_q={replicate_q}", rank)
             ref, tp_alone_rows = refs[_request_seed(tp, rank)]
             assert got["tokens"] == ref.tokens, what
             assert len(got["logits"]) == len(ref.step_logits), what
@@ -78,3 +85,18 @@ def test_tp_with_dcp_inside_matches_the_unsharded_model(family):
                 assert ((a - b).norm() / b.norm()).item() < 1e-5, what
             assert got["stats"]["tp_layers"] == LAYERS[family], what
             assert got["kv_rows"] == [tp_alone_rows // dcp] * LAYERS[family], what  # 1/N of TP alone's rows
+            stats = got["stats"]
+            if replicate_q:  # wq_b rows and W_UK of the other DCP ranks' heads, fp32
+                assert stats["query_all_gathers"] == 0, what
+                assert stats["replicated_query_bytes"] == _query_weight_bytes(family, tp) * (dcp - 1), what
+            else:
+                assert stats["query_all_gathers"] == LAYERS[family], what
+                assert stats["replicated_query_bytes"] == 0, what
+
+
+def _query_weight_bytes(family: str, tp: int) -> int:
+    """Bytes of one TP rank's query weights (``wq_b`` and ``w_uk``) over every layer, fp32."""
+    cfg = get_config(family, n_layers=LAYERS[family])
+    heads = cfg.n_heads // tp
+    per_layer = heads * cfg.qk_head_dim * cfg.q_lora_rank + heads * cfg.qk_nope_head_dim * cfg.kv_lora_rank
+    return 4 * per_layer * LAYERS[family]

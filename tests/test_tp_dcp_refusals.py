@@ -1,11 +1,13 @@
 """DCP inside tensor parallelism: the layouts the rewrite refuses at compile time (a DCP group across
-TP groups, N not dividing T, a collective it cannot place), and ``tp_dcp_groups``' layout. Each test
-starts its own 4 gloo ranks (no kept ranks: the refusals leave groups half-used)."""
+TP groups, N not dividing T, a collective it cannot place, query weights ``replicate_q`` cannot
+find), and ``tp_dcp_groups``' layout. Each test starts its own 4 gloo ranks (no kept ranks: the
+refusals leave groups half-used)."""
 
 import torch
 
 from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
+from dsa_dcp.models.dsa import MLAAttention
 
 ROWS = 16
 
@@ -21,6 +23,15 @@ class _SummedLogits(torch.nn.Module):
         import torch.distributed._functional_collectives as funcol
 
         return funcol.all_reduce(self.model(*inputs), "sum", self.group_name)
+
+
+class _ComputedQueryWeight(MLAAttention):
+    """An attention whose query up-projection weight is computed each step (a flip of the parameter),
+    not read: ``replicate_q`` cannot hold another rank's copy of it."""
+
+    @property
+    def wq_b(self):
+        return self._parameters["wq_b"].flip(0)
 
 
 def _refused_rank(rank, world):
@@ -47,6 +58,14 @@ def _refused_rank(rank, world):
     across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
     model = DSAModel(cfg, batch.num_slots, dcp_size=2, seed=1, tp_size=2, tp_group=tp)
     errors["across"] = compile_error(model, {"dcp_size": 2, "group": across, "lowering": "fx"}, range(4))
+    # replicate_q with a query weight that is computed, not a parameter: refused, and compiles without it
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    model = DSAModel(cfg, batch.num_slots, dcp_size=2, seed=1, tp_size=2, tp_group=pair)
+    model.layers[0].attn.__class__ = _ComputedQueryWeight
+    errors["computed_query"] = compile_error(model, {"dcp_size": 2, "group": pair, "lowering": "fx"}, range(4))
+    model.reset_caches()
+    errors["computed_query_gathered"] = compile_error(
+        model, {"dcp_size": 2, "group": pair, "lowering": "fx", "replicate_q": False}, range(4))
     # a plain DCP model whose logits are summed over the world: no TP layer, one collective
     model = _SummedLogits(DSAModel(cfg, batch.num_slots, dcp_size=4, seed=1), dist.group.WORLD.group_name)
     errors["unplaced"] = compile_error(model, {"dcp_size": 4, "lowering": "fx"}, range(4))
@@ -67,6 +86,12 @@ def test_tp_layouts_the_rewrite_cannot_run_are_refused_at_compile_time():
             in errors["across"], (rank, errors["across"])
         assert "tp_dcp_groups(tp_size, dcp_size)" in errors["across"]
         assert "the model's graph has collectives the DCP rewrite cannot place" in errors["unplaced"], errors["unplaced"]
+        assert "replicate_q: the query weights of" in errors["computed_query"], errors["computed_query"]
+        assert "is computed (flip), not a parameter or buffer" in errors["computed_query"], errors["computed_query"]
+        problems = [line for line in errors["computed_query"].splitlines() if "replicate_q:" in line]
+        assert len(problems) == 1 and problems[0].endswith("; compile with replicate_q=False"), errors["computed_query"]
+        assert "cannot place" not in errors["computed_query"], errors["computed_query"]  # the one problem
+        assert errors["computed_query_gathered"] == "compiled", errors["computed_query_gathered"]
     for rank in range(3):
         assert ranks[rank]["not_dividing"] == ["dcp_size=3 does not divide the TP size 4: DCP groups split a TP group "
                                                "evenly"]

@@ -11,9 +11,10 @@ Leaves, for each attention node ``(out, lse) = attn(q_nope, q_pe, kv, topk, scal
 For the head-sharded merges the layer's epilogue is sharded too (``match/epilogue.py``, sharded by ``head_shard.py``). A
 layer whose epilogue cannot be sharded (or whose model reads the LSE) merges with ``ag`` instead,
 with a warning naming the node. A layer that holds a tensor-parallel shard of the heads (its output
-projection summed over a TP group: ``tensor_parallel.py``) attends with the DCP group's all-gathered
-query heads and keeps the merged output of its own heads; its epilogue and all-reduce stay as the
-model wrote them. ``check`` returns the plan (a ``LayerPlan`` per attention node)
+projection summed over a TP group: ``tensor_parallel.py``) attends with the DCP group's query heads
+(``options.replicate_q``: computed on every rank from the group's query weights, gathered once at
+compile time; off: all-gathered each step) and keeps the merged output of its own heads; its
+epilogue and all-reduce stay as the model wrote them. ``check`` returns the plan (a ``LayerPlan`` per attention node)
 that ``run`` carries out; a graph it refuses is left untouched. Layers that share a top-k tensor get
 one remap each here; ``share_remaps`` merges them.
 """
@@ -35,7 +36,10 @@ from dsa_dcp.passes.fx import Emitter, alias_base, getitem_users, placeholder_va
 from dsa_dcp.passes.graph import sparse_attention_nodes
 from dsa_dcp.passes.head_shard import shard
 from dsa_dcp.passes.match.epilogue import HeadEpilogue
-from dsa_dcp.passes.tensor_parallel import TPSite, gather_group_query, group_problems, tp_site, unplaced_collectives
+from dsa_dcp.passes.match.query import QueryProjection
+from dsa_dcp.passes.tensor_parallel import (TPSite, gather_group_query, gather_query_weights, group_problems,
+                                            replicate_group_query, replicated_query_bytes, tp_site,
+                                            unplaced_collectives)
 
 ALL_GATHER = MERGES["ag"]
 
@@ -50,6 +54,7 @@ class LayerPlan:
     epilogue: HeadEpilogue | None = None
     fallback: str | None = None  # why this layer merges with ag instead of the option's merge
     tp: TPSite | None = None  # the layer holds H/T heads of this TP group
+    query: QueryProjection | None = None  # replicate_q: the TP layer's query projection
 
 
 @dataclasses.dataclass
@@ -94,7 +99,8 @@ class DCPRewrite(DCPPass):
                 f"some layers hold a tensor-parallel shard of the heads, but {', '.join(other)} could not be recognized "
                 f"as such (their attention output does not reach an output projection summed over the TP group "
                 f"through the per-head epilogue); DCP inside TP needs every layer recognized")
-        plan.all_gathers = [layer.attn.name for layer in plan.layers if layer.merge.all_gathers or layer.tp]
+        plan.all_gathers = [layer.attn.name for layer in plan.layers
+                            if layer.merge.all_gathers or (layer.tp and layer.query is None)]
         return plan
 
     def _plan_layer(self, attn: fx.Node, ctx: CompileContext, plan: RewritePlan) -> None:
@@ -113,7 +119,7 @@ class DCPRewrite(DCPPass):
         epilogue = HeadEpilogue.match(items[0]) if 0 in items and not whole else None
         tp = tp_site(epilogue.linear) if epilogue is not None else None
         if tp is not None:
-            self._plan_tp_layer(attn, layer, strategy, tp, plan)
+            self._plan_tp_layer(attn, layer, strategy, tp, ctx.options.replicate_q, plan)
             return
         if not strategy.head_sharded:
             plan.layers.append(LayerPlan(attn, layer, strategy))
@@ -140,30 +146,41 @@ class DCPRewrite(DCPPass):
         plan.warnings.append(fallback)
 
     @staticmethod
-    def _plan_tp_layer(attn: fx.Node, layer: int | None, strategy: MergeStrategy, tp: TPSite,
+    def _plan_tp_layer(attn: fx.Node, layer: int | None, strategy: MergeStrategy, tp: TPSite, replicate_q: bool,
                        plan: RewritePlan) -> None:
         if attn.target is not SPARSE_MLA:
             plan.problems.append(f"{attn.name} holds a tensor-parallel shard of the heads; DCP inside TP takes the MLA "
                                  f"attention (sparse_mla) only{where(attn)}")
-        plan.layers.append(LayerPlan(attn, layer, strategy, tp=tp))
+        query = QueryProjection.match(attn) if replicate_q and attn.target is SPARSE_MLA else None
+        if isinstance(query, str):  # the layer stays planned (its all-reduce placed): the problem refuses
+            plan.problems.append(f"replicate_q: the query weights of {attn.name}'s heads cannot be found: {query}; "
+                                 f"compile with replicate_q=False")
+            query = None
+        plan.layers.append(LayerPlan(attn, layer, strategy, tp=tp, query=query))
 
     def run(self, gm: fx.GraphModule, ctx: CompileContext, plan: RewritePlan) -> dict:
         collectives = 0
         checks = _DebugChecks(gm, ctx) if ctx.options.debug_checks else None
+        weights = [w for layer in plan.layers if layer.query is not None for w in layer.query.weights]
+        gathered = gather_query_weights(weights, placeholder_values(gm, ctx.example_inputs), ctx.dcp_size,
+                                        ctx.group_name) if weights else {}
         for index, layer in enumerate(plan.layers):
-            collectives += self._rewrite(gm, ctx, layer, index, checks)
+            collectives += self._rewrite(gm, ctx, layer, index, checks, gathered)
         return {
             "sparse_attention_nodes": len(plan.layers),
             "remaps_inserted": len(plan.layers),
             "merge": ctx.options.merge,
             "layers_merged_with_ag": [l.attn.name for l in plan.layers if l.fallback],
             "tp_layers": sum(1 for l in plan.layers if l.tp is not None),
+            "query_all_gathers": sum(1 for l in plan.layers if l.tp is not None and l.query is None),
+            "replicated_query_bytes": sum(replicated_query_bytes(l.query, gathered, ctx.dcp_size)
+                                          for l in plan.layers if l.query is not None),
             "collectives_inserted": collectives,
         }
 
     @staticmethod
     def _rewrite(gm: fx.GraphModule, ctx: CompileContext, layer: LayerPlan, index: int,
-                 checks: _DebugChecks | None) -> int:
+                 checks: _DebugChecks | None, gathered: dict) -> int:
         graph, attn, n = gm.graph, layer.attn, ctx.dcp_size
         emit = Emitter(graph, like=attn)
         q_nope, q_pe, kv, topk, *rest = attn.args  # rest: sm_scale [, kv_scale, block_scales] (FP8 KV)
@@ -171,7 +188,9 @@ class DCPRewrite(DCPPass):
             if checks is not None:
                 checks.insert(topk, kv, index)
             local = emit(operator.getitem, emit(TOPK_REMAP, topk, n, ctx.rank, ctx.options.interleave), 0)
-            if layer.tp is not None:  # the DCP group's heads: each rank's H/T, in DCP-rank order
+            if layer.query is not None:  # the DCP group's heads: each rank's H/T, in DCP-rank order
+                q_nope, q_pe = replicate_group_query(gm, emit, layer.query, gathered, n, ctx.rank)
+            elif layer.tp is not None:
                 q_nope, q_pe = gather_group_query(emit, q_nope, q_pe, n, ctx.group_name)
         attn.args = (q_nope, q_pe, kv, local, *rest)
         if layer.tp is not None:
@@ -198,7 +217,8 @@ class DCPRewrite(DCPPass):
             if checks is not None:
                 with graph.inserting_before(all_reduce):
                     checks.insert(topk, kv, index)
-        return layer.merge.collectives + (1 if layer.epilogue is not None or layer.tp is not None else 0)
+        gathers_query = layer.tp is not None and layer.query is None
+        return layer.merge.collectives + (1 if layer.epilogue is not None or gathers_query else 0)
 
 
 class _DebugChecks:

@@ -8,8 +8,18 @@ its own ``H / T`` query heads and the whole latent KV (one KV head); the indexer
 
 DCP runs inside the TP group (the engines' layout): the DCP group of ``N`` ranks is part of one TP
 group and ``N`` divides ``T``. Each layer attends with the DCP group's ``N * H / T`` heads over this
-rank's KV shard, so the query of the group's heads is all-gathered over the DCP group first (one
-all-gather a layer of ``[q_nope | q_pe]``, in DCP-rank order); the merge then hands each rank the
+rank's KV shard, in DCP-rank order. Their query comes one of two ways (``options.replicate_q``):
+
+- on (the default): the replicated query projection. The layer's query weights (``wq_b``'s rows
+  and the absorbed ``W_UK`` of its heads: ``match/query.py`` finds them from the attention's query
+  back to the latent) are all-gathered over the DCP group once, at compile time
+  (``gather_query_weights``), and held by the compiled graph as buffers; each step every rank runs
+  the layer's query projection once per DCP rank, with that rank's weights, on the latent all of
+  them hold (``replicate_group_query``). No collective a step; ``(N - 1) H / T`` heads' query
+  weights more per rank.
+- off: one all-gather a layer of ``[q_nope | q_pe]`` over the DCP group (``gather_group_query``).
+
+The merge then hands each rank the
 combined output of its own heads (``a2a``, ``ag_rs``, ``fused_a2a`` by construction: head group
 ``j`` goes to DCP rank ``j``; ``ag`` keeps its own slice), and the model's own row-parallel output
 projection and all-reduce follow unchanged. The rewrite never touches the model's collectives.
@@ -129,3 +139,68 @@ def gather_group_query(emit: F.Emitter, q_nope: fx.Node, q_pe: fx.Node, dcp_size
     heads = emit(gather_query_heads, gathered, dcp_size)
     parts = (slice(None, nope), slice(nope, None))
     return tuple(emit.method("contiguous", emit(operator.getitem, heads, (Ellipsis, part))) for part in parts)
+
+
+def gather_query_weights(weights: list[fx.Node], values: dict, dcp_size: int, group_name: str
+                         ) -> dict[fx.Node, list[torch.Tensor]]:
+    """Every DCP rank's value of each query weight (placeholders, in the order given: the same on
+    every rank), by DCP rank: one all-gather each, at compile time. Over a gloo group a CUDA weight
+    goes through the host (gloo's all-gather of CUDA tensors crashes the process)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    through_host = dist.get_backend(group) == "gloo"
+    gathered = {}
+    with torch.no_grad():
+        for weight in weights:
+            value = values[weight].detach()
+            local = value.cpu() if through_host else value
+            parts = [torch.empty_like(local) for _ in range(dcp_size)]
+            dist.all_gather(parts, local.contiguous(), group=group)
+            gathered[weight] = [p.to(value.device) for p in parts]
+    return gathered
+
+
+def replicate_group_query(gm: fx.GraphModule, emit: F.Emitter, projection, gathered: dict, dcp_size: int,
+                          rank: int) -> tuple[fx.Node, fx.Node]:
+    """The DCP group's query heads, ``[B, N * H/T, D]`` each, DCP rank ``j``'s heads at head group
+    ``j``: the projection's nodes run once per other rank ``j`` with ``j``'s query weights (buffers
+    of ``gm``, ``dsa_dcp_query_*``), beside this rank's own (module docstring). Inserted at the graph's
+    insert point."""
+    fake_mode = F.fake_mode_of(gm.graph)
+    per_rank = []
+    for j in range(dcp_size):
+        if j == rank:
+            per_rank.append(projection.roots)
+            continue
+        env = {}
+        for weight in projection.weights:
+            name = f"dsa_dcp_query_{weight.name}_dcp{j}"
+            if not hasattr(gm, name):
+                _hold(gm, name, gathered[weight][j])
+            node = gm.graph.get_attr(name)
+            if fake_mode is not None:
+                node.meta["example_value"] = fake_mode.from_tensor(getattr(gm, name), static_shapes=True)
+            env[weight] = node
+        for node in projection.nodes:
+            env[node] = gm.graph.node_copy(node, lambda n: env.get(n, n))
+        per_rank.append(tuple(env[root] for root in projection.roots))
+    return tuple(emit(torch.cat, [q[i] for q in per_rank], 1) for i in range(2))
+
+
+def _hold(gm: fx.GraphModule, name: str, weight: torch.Tensor) -> None:
+    """``weight`` as a buffer of ``gm``, named to AOT autograd as dynamo names the model's own (it
+    lifts every buffer to an input, static for CUDA graphs, and asks dynamo's record of where each
+    came from)."""
+    gm.register_buffer(name, weight)
+    sources = getattr(gm, "_param_name_to_source", None)
+    if isinstance(sources, dict):
+        from torch._dynamo.source import ConstantSource
+
+        sources[name] = ConstantSource(name)
+
+
+def replicated_query_bytes(projection, gathered: dict, dcp_size: int) -> int:
+    """Bytes of the other DCP ranks' query weights a rank holds for one layer."""
+    return sum((dcp_size - 1) * gathered[w][0].numel() * gathered[w][0].element_size() for w in projection.weights)
