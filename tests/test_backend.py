@@ -95,6 +95,7 @@ OPTION_CHANGES = {
     "batch_sizes": {"batch_sizes": [1, 8]}, "page_size": {"page_size": 64}, "allow_multi_host": {"allow_multi_host": True},
     "debug_checks": {"debug_checks": True}, "mode": {"mode": "reduce-overhead"},
     "indexer_kernels": {"indexer_kernels": False}, "index_cache": {"index_cache": "sharded"},
+    "replicate_q": {"replicate_q": False},
 }  # fmt: skip
 
 

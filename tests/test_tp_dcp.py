@@ -61,6 +61,10 @@ def _tp_dcp_rank(rank, world, family):
             results[tp, dcp, merge, replicate_q] = {"tokens": out.tokens, "logits": out.step_logits,
                                        "kv_rows": [c.shape[0] for c in model.kv_caches()],
                                        "stats": dsa_dcp.backend_report().stats()["dcp_rewrite"]}
+            if merge == "a2a":  # what the inspection tool reports of it (a2a all-gathers nothing itself)
+                summary = dsa_dcp.inspect(step).summary()
+                results[tp, dcp, merge, replicate_q]["inspected"] = (
+                    summary["weights"]["replicated_query_bytes"], sorted(summary["collectives"]["by_op"]))
     return results
 
 
@@ -92,6 +96,10 @@ def test_tp_with_dcp_inside_matches_the_unsharded_model(family):
             else:
                 assert stats["query_all_gathers"] == LAYERS[family], what
                 assert stats["replicated_query_bytes"] == 0, what
+            if "inspected" in got:
+                held, ops = got["inspected"]
+                assert held == stats["replicated_query_bytes"], what
+                assert any("all_gather" in op for op in ops) == (not replicate_q), (what, ops)
 
 
 def _query_weight_bytes(family: str, tp: int) -> int:

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from dsa_dcp.ops import FUSED_REMAPS, TOPK_REMAP
+from dsa_dcp.passes import fx as F
 from dsa_dcp.passes.fx import alias_base
 from dsa_dcp.passes.graph import FUSED_MERGE, MERGE_TARGETS, is_collective, sparse_attention_nodes
 
@@ -105,8 +106,14 @@ def collective_inputs(nodes: list[fx.Node]) -> dict:
     return found
 
 
+def _op_name(node: fx.Node) -> str:
+    """A collective's name, from its overload (the passes' nodes) or its packet (a model's own
+    ``funcol.all_reduce``, as dynamo records it)."""
+    return F.c10d_name(node) or getattr(node.target, "_opname", str(node.target))
+
+
 def _group_size(node: fx.Node, dcp_size: int) -> int:
-    name = node.target._opname  # type: ignore[union-attr]
+    name = _op_name(node)
     if name == "all_gather_into_tensor" or name == "reduce_scatter_tensor":
         size = node.args[2] if name == "reduce_scatter_tensor" else node.args[1]
         if isinstance(size, int):
@@ -158,7 +165,7 @@ def analyze(gm: fx.GraphModule, dcp_size: int, merge_mode: str | None, process_g
     note = f"collective shapes unknown for {missing}: no metadata recorded" if missing else ""
     collectives = []
     for node in coll_nodes:
-        op = node.target._opname  # type: ignore[union-attr]
+        op = _op_name(node)
         shape, dtype, nbytes = shapes.get(node, ([], None, 0))
         n = _group_size(node, dcp_size)
         layer = owner.get(node)

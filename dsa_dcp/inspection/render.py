@@ -236,6 +236,9 @@ def summary_rows(self: Inspection) -> list[tuple[str, str]]:
     if w["bytes_per_rank"] is not None:
         rows.append(("weight bytes per rank", f"{w['bytes_per_rank']:,} (the model's parameters at tp 1; "
                      f"{w['held_by_compiled_step']:,} more held by the compiled step)"))
+    if w.get("replicated_query_bytes"):
+        rows.append(("replicated query weights per rank", f"{w['replicated_query_bytes']:,} bytes (replicate_q: the "
+                     f"other DCP ranks' heads' query weights, held by the compiled step)"))
     return rows
 
 def pass_rows(self: Inspection) -> list[str]:

@@ -152,7 +152,9 @@ class Inspection:
             },
             "kernels_per_step": kernels if kernels is not None else self._no_kernel_count(),
             "kv_writes": r.summary.get("kv_writes", 0),
-            "weights": {"bytes_per_rank": self.weight_bytes, "held_by_compiled_step": self.weights_held()},
+            "weights": {"bytes_per_rank": self.weight_bytes, "held_by_compiled_step": self.weights_held(),
+                        # replicate_q: the other DCP ranks' query weights, part of what the step holds
+                        "replicated_query_bytes": stats.get("dcp_rewrite", {}).get("replicated_query_bytes", 0)},
         }
 
     def weights_held(self) -> int:
