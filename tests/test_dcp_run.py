@@ -2,7 +2,7 @@
 
 import pytest
 
-from dsa_dcp.bench.dcp_run import RunSpec, check_correctness, check_transformers
+from dsa_dcp.bench.dcp_run import RunSpec, check_correctness, check_transformers, topology_problem
 from dsa_dcp.launch import run_on_ranks
 
 pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
@@ -11,6 +11,15 @@ pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept
 def _rank(rank, world):
     return list(check_correctness(rank, world, RunSpec(device="cpu", merges=("fused_a2a",), steps=4, tiny_only=True,
                                                        lowering="fx", tiny_layers=8)))
+
+
+def _tp_rank(rank, world):
+    rows = []
+    for replicate_q in (True, False):
+        rows += check_correctness(rank, world, RunSpec(device="cpu", merges=("a2a",), steps=3, tiny_only=True,
+                                                       lowering="fx", tiny_layers=2, tp=2, dcp=2,
+                                                       replicate_q=replicate_q))
+    return rows
 
 
 def _hf_rank(rank, world):
@@ -40,6 +49,26 @@ def test_run_script_correctness_part_on_cpu_ranks():
             assert r["tokens_match"], r
             assert r["max_rel_logit_err"] < 1e-5, r
             assert r["kv_rows_per_rank"] == r["kv_rows_expected"]
+
+
+@pytest.mark.slow
+def test_run_script_correctness_part_with_dcp_inside_tp_on_cpu_ranks():
+    """``--tp 2 --dcp 2`` with and without ``--replicate-q``: the unsharded single-device model's tokens."""
+    for rows in run_on_ranks(_tp_rank, 2):
+        assert [(r["tp"], r["N"], r["merge"], r["replicate_q"]) for r in rows] == [
+            (2, 2, "a2a", True), (2, 2, "a2a", False)]
+        for r in rows:
+            assert r["tokens_match"], r
+            assert r["max_rel_logit_err"] < 1e-5, r
+            assert r["kv_rows_per_rank"] == r["kv_rows_expected"], r
+
+
+def test_run_script_topology_is_checked_against_the_world():
+    assert topology_problem(4, 2, 2) is None and topology_problem(4, 4, None) is None
+    assert topology_problem(2, 1, None) is None
+    assert topology_problem(4, 3, None) == "--tp 3 does not divide the world of 4 rank(s)"
+    assert topology_problem(4, 4, 3) == "--dcp 3 does not divide --tp 4: DCP groups split a TP group evenly"
+    assert topology_problem(4, 1, 2) == "without TP the DCP group is the world: --dcp 2 in a world of 4"
 
 
 def test_step_kernel_time_is_split_by_what_dcp_adds():

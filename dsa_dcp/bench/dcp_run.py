@@ -20,6 +20,13 @@ rank:
    ``DCPStaticCache``, against the same model compiled for this rank's device alone (``dcp_size=1``,
    the single-rank program DCP must equal; bf16 and fp32 on a GPU).
 
+The topology: ``--tp T --dcp N`` runs the correctness and step latency parts on ``DSAModel``s that
+are tensor-parallel over TP groups of ``T`` ranks, compiled with DCP over groups of ``N`` ranks
+inside them (``dsa_dcp.topology.tp_dcp_groups``; ``--dcp`` defaults to ``T``), with
+``--replicate-q`` (default) or ``--no-replicate-q``; the step latency part's ``dcp1`` rows are then
+TP alone, so one run compares TP ``T`` + DCP ``N`` with TP ``T``. Correctness compares against the
+unsharded single-device model. The merge and transformers parts run without TP only.
+
 Rank 0 prints each row as it is measured (and timestamped progress on stderr), rewrites the JSON
 (``--json``) after every row, and prints the tables at the end. ``--parts`` picks parts (on two
 H200s correctness took about 5 minutes and step latency about 20 s per compiled step, so a
@@ -61,6 +68,46 @@ class RunSpec:
     index_caches: tuple[str, ...] = ("replicated", "sharded")  # step latency: DCP rows for each
     cuda_graphs: bool | None = None  # transformers part: None, the backend's default (graphs on CUDA)
     tiny_layers: int | None = None  # the tiny config's layers (None: all 78 of glm5.2-tiny)
+    # the topology (correctness and step latency): TP groups of ``tp`` ranks, DCP groups of ``dcp``
+    # ranks inside them (``dsa_dcp.topology``); tp 1 and dcp None: one DCP group over the world
+    tp: int = 1
+    dcp: int | None = None
+    replicate_q: bool = True
+
+    def dcp_size(self, world: int) -> int:
+        return self.dcp if self.dcp is not None else (world if self.tp == 1 else self.tp)
+
+
+def topology_problem(world: int, tp: int, dcp: int | None) -> str | None:
+    """Why ``--tp``/``--dcp`` cannot tile a world of ``world`` ranks (``None`` when they can)."""
+    n = dcp if dcp is not None else (world if tp == 1 else tp)
+    if tp < 1 or n < 1:
+        return f"--tp and --dcp must be >= 1, got {tp} and {n}"
+    if world % tp:
+        return f"--tp {tp} does not divide the world of {world} rank(s)"
+    if tp == 1 and n != world:
+        return f"without TP the DCP group is the world: --dcp {n} in a world of {world}"
+    if tp > 1 and tp % n:
+        return f"--dcp {n} does not divide --tp {tp}: DCP groups split a TP group evenly"
+    return None
+
+
+def _groups(spec: RunSpec, world: int):
+    """This rank's TP group (``None`` without TP) and DCP group (``None``: the world)."""
+    if spec.tp == 1:
+        return None, None
+    from dsa_dcp.topology import tp_dcp_groups
+
+    groups = tp_dcp_groups(spec.tp, spec.dcp_size(world))
+    return groups.tp, groups.dcp
+
+
+def _tp_args(spec: RunSpec, tp_group) -> dict:
+    return {"tp_size": spec.tp, "tp_group": tp_group} if spec.tp > 1 else {}
+
+
+def _dcp_options(spec: RunSpec, dcp_group) -> dict:
+    return {"group": dcp_group, "replicate_q": spec.replicate_q} if spec.tp > 1 else {}
 
 
 _T0 = time.monotonic()
@@ -113,6 +160,8 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     if not spec.tiny_only:
         configs.insert(0, ("glm5.2 (real attention dims)", get_config(
             "glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768, page_size=64)))
+    tp_group, dcp_group = _groups(spec, world)
+    n = spec.dcp_size(world)
     for label, cfg in configs:
         if cfg.index_topk > 64:  # real top-k 2048: two requests shorter than it, two longer
             batch = make_requests(cfg, [3, 100, 2100, 2500], max_new_tokens=spec.steps, start_steps=[0, 0, 1, 2],
@@ -127,26 +176,33 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
             ref = generate(single, batch, spec.steps, pad_to=pad, device=spec.device)
             del single
             for merge in spec.merges:
-                if cfg.n_heads % world and MERGES[merge].head_sharded:
+                if (cfg.n_heads // spec.tp) % n and MERGES[merge].head_sharded and spec.tp == 1:
                     continue
-                _progress(f"{label}: {merge} over {world} ranks")
+                _progress(f"{label}: {merge} over {n} ranks" + (f" inside TP {spec.tp}" if spec.tp > 1 else ""))
                 torch._dynamo.reset()
-                model = DSAModel(cfg, batch.num_slots, dcp_size=world, device=spec.device, seed=5)
+                # a TP model drawn from the seed holds its shard of the unsharded model of that seed
+                model = DSAModel(cfg, batch.num_slots, dcp_size=n, device=spec.device, seed=5,
+                                 **_tp_args(spec, tp_group))
                 step = torch.compile(model, backend="dsa_dcp", fullgraph=True, dynamic=False,
-                                     options={"dcp_size": world, "merge": merge, "cuda_graphs": False,
+                                     options={"dcp_size": n, "merge": merge, "cuda_graphs": False,
+                                              **_dcp_options(spec, dcp_group),
                                               **({"lowering": spec.lowering} if spec.lowering else {})})
                 out = generate(step, batch, spec.steps, pad_to=pad, device=spec.device)
                 row = {
-                    "model": label, "merge": merge, "N": world,
+                    "model": label, "merge": merge, "N": n, **_topology_columns(spec),
                     "tokens_match": out.tokens == ref.tokens,
                     "max_rel_logit_err": max(_relative_error(a, b) for a, b in zip(out.step_logits, ref.step_logits)),
                     "kv_rows_per_rank": model.kv_caches()[0].shape[0],
-                    "kv_rows_expected": local_cache_rows(batch.num_slots, world),
+                    "kv_rows_expected": local_cache_rows(batch.num_slots, n),
                 }
                 if merge == "fused_a2a" and torch.device(spec.device).type == "cuda":
                     row["fused_kernel"] = fused_merge.has_workspace(dist.group.WORLD.group_name)
                 yield row
                 del model, step
+
+
+def _topology_columns(spec: RunSpec) -> dict:
+    return {"tp": spec.tp, "replicate_q": spec.replicate_q} if spec.tp > 1 else {}
 
 
 HF_PROMPT_LENS = (5, 17, 40)  # left-padded, as transformers' generate expects
@@ -242,15 +298,16 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     cpu_group = dist.new_group(backend="gloo")  # barriers that put no kernel in the profile
     host_barrier = lambda: dist.barrier(group=cpu_group)  # noqa: E731
     _release_compiled()  # what an earlier part compiled
+    tp_group, dcp_group = _groups(spec, world)
     for batch in spec.batches:
         inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, spec.device)
         runs = [("stock", "replicated"), ("single", "replicated")] + \
             [(merge, index_cache) for merge in spec.merges for index_cache in spec.index_caches]
         for merge, index_cache in runs:
-            n = 1 if merge in ("stock", "single") else world
+            n = 1 if merge in ("stock", "single") else spec.dcp_size(world)
             _progress(f"step latency: batch {batch}, {merge}" + (f", {index_cache} index cache" if n > 1 else ""))
             model = DSAModel(cfg, num_slots, dcp_size=n, dtype=torch.bfloat16, device=spec.device, seed=0,
-                             index_cache=index_cache)
+                             index_cache=index_cache, **_tp_args(spec, tp_group))
             with torch.no_grad():
                 for cache in model.kv_caches() + list(model.index_caches().values()):
                     cache.normal_()
@@ -258,11 +315,13 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                     step = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
                 else:
                     options = {"batch_sizes": [batch]} if n == 1 else \
-                        {"dcp_size": n, "merge": merge, "batch_sizes": [batch], "index_cache": index_cache}
+                        {"dcp_size": n, "merge": merge, "batch_sizes": [batch], "index_cache": index_cache,
+                         **_dcp_options(spec, dcp_group)}
                     step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
                 step(*inputs)
                 us = _median_call_us(lambda: step(*inputs))
                 row = {"batch": batch, "merge": {"stock": "stock dcp1", "single": "dcp1"}.get(merge, merge), "N": n,
+                       **_topology_columns(spec),
                        "index_cache": index_cache if n > 1 else "whole", "layers": spec.layers, "step_us": us}
                 if merge == "stock":
                     row |= _stock_kernel_split(model, inputs, host_barrier)
@@ -363,8 +422,9 @@ def run(rank: int, world: int, spec: RunSpec, parts: tuple[str, ...] = PARTS, re
     on_cuda = torch.device(spec.device).type == "cuda"
     steps = [("correctness", check_correctness, "correctness" in parts),
              ("step_latency", step_latency, on_cuda and "latency" in parts),
-             ("merge_per_layer", merge_per_layer, on_cuda and "merge" in parts and "fused_a2a" in spec.merges),
-             ("transformers", check_transformers, "transformers" in parts)]
+             ("merge_per_layer", merge_per_layer,
+              on_cuda and "merge" in parts and "fused_a2a" in spec.merges and spec.tp == 1),
+             ("transformers", check_transformers, "transformers" in parts and spec.tp == 1)]
     for name, fn, wanted in steps:
         if wanted:
             results[name] = []
@@ -402,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lowering", choices=["inductor", "fx"], help="correctness part (default: the backend's)")
     p.add_argument("--index-caches", nargs="+", choices=["replicated", "sharded"], default=list(RunSpec.index_caches),
                    help="step latency: the index caches of the DCP rows")
+    p.add_argument("--tp", type=int, default=1, help="TP size: the models run tensor-parallel in groups of this "
+                   "many ranks (correctness and step latency; the other parts need --tp 1)")
+    p.add_argument("--dcp", type=int, help="DCP size inside each TP group (default: the TP size; without TP, the world)")
+    p.add_argument("--replicate-q", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --tp: hold the DCP group's query weights (default) or all-gather the query each layer")
     p.add_argument("--json")
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
     args = p.parse_args(argv)
@@ -420,9 +485,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     # A collective that waits this long fails the run instead of hanging it.
     rank, world = init_from_env(backend, timeout=args.collective_timeout)
+    problem = topology_problem(world, args.tp, args.dcp)
+    if problem:
+        p.error(problem)
     spec = RunSpec(device=args.device, merges=tuple(merges), layers=args.layers, batches=tuple(args.batches),
                    steps=args.steps, tiny_only=args.device == "cpu", lowering=args.lowering,
-                   index_caches=tuple(args.index_caches), cuda_graphs=False if host_collectives else None)
+                   index_caches=tuple(args.index_caches), cuda_graphs=False if host_collectives else None,
+                   tp=args.tp, dcp=args.dcp, replicate_q=args.replicate_q)
     if args.device == "cuda":
         spec = dataclasses.replace(spec, device=f"cuda:{torch.cuda.current_device()}")
     written = {}
@@ -439,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run(rank, world, spec, tuple(parts), report)
     if rank == 0:
         for name, rows in results.items():
-            print(f"\n{name} (N = {world})\n{_table(rows)}")
+            where = f"TP {spec.tp}, N = {spec.dcp_size(world)}" if spec.tp > 1 else f"N = {world}"
+            print(f"\n{name} ({where})\n{_table(rows)}")
     ok = all(r["tokens_match"] and r["kv_rows_per_rank"] == r["kv_rows_expected"] and r.get("fused_kernel", True)
              for r in results.get("correctness", []))
     dist.barrier()
