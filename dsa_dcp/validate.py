@@ -31,6 +31,8 @@ The rules (``docs/validation.md`` lists each with its message):
                    tensors crashes the process): from the rewrite passes' plans, which say what
                    they will all-gather, and ``merge.host_gather_problem``
   debug_checks     run-time debug checks only with the FX lowering and without CUDA graphs
+  dtensor          no graph input (parameter, buffer, cache) is a ``DTensor``: DCP inside tensor
+                   parallelism takes a model whose TP is plain tensors and functional collectives
 Warnings (shown once per compilation): a layer whose epilogue a head-sharded merge cannot shard
 merges with ``ag``; a DCP compilation of a graph with no sparse attention and no KV cache.
 """
@@ -84,6 +86,7 @@ def validate(gm: fx.GraphModule, ctx: CompileContext, pipeline: Pipeline
     if ctx.dcp_size == 1:
         return {}, grouped(problems), []
     problems += group_agreement_problems(gm, ctx)  # first, so no peer waits on a rank that refuses
+    problems += dtensor_problems(gm, ctx)
     if on_cuda and opts.cuda_graphs is not False and ctx.group_name is not None:
         problem = graph_capture_problem(_group_backend(ctx.group_name))
         if problem:
@@ -109,6 +112,25 @@ def validate(gm: fx.GraphModule, ctx: CompileContext, pipeline: Pipeline
         if problem:
             problems.append(problem)
     return plans, grouped(problems), grouped(warnings)
+
+
+def dtensor_problems(gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
+    """A DCP program whose inputs are ``DTensor``s (transformers' ``tp_plan``, ``parallelize_module``)
+    is refused: the rewrite reads each rank's local shapes and places its collectives among the
+    model's own functional collectives, which a DTensor's implicit redistributions are not."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has none to refuse
+        return []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = [node.name for node, value in zip(placeholders, ctx.example_inputs) if isinstance(value, DTensor)]
+    if not found:
+        return []
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return [f"{len(found)} input(s) of the step are DTensors ({shown}): DCP does not run inside DTensor tensor "
+            f"parallelism (transformers' tp_plan / tp_size, torch.distributed.tensor.parallel); build the model's TP "
+            f"from plain tensors and functional collectives (dsa_dcp.models.DSAModel(tp_size=...), docs/models.md), "
+            f"or compile with dcp_size=1"]
 
 
 # Backends whose collectives a CUDA graph can capture (a fake group's do nothing on the device).

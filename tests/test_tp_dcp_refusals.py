@@ -120,3 +120,41 @@ def test_tp_dcp_groups_tile_the_world():
     assert ranks[3][2, 2] == ([2, 3], [2, 3]) and ranks[2][2, 1] == ([2, 3], [2])
     assert "tp_size=3 does not divide the world of 4 rank(s)" in ranks[0][3, 1]
     assert "dcp_size=3 does not divide tp_size=4" in ranks[0][4, 3]
+
+
+class _DTensorScale(torch.nn.Module):
+    """A step whose parameter is a DTensor, as transformers' ``tp_plan`` and
+    ``torch.distributed.tensor.parallel`` make them."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        self.scale = torch.nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+
+    def forward(self, x):
+        return x * self.scale.to_local()
+
+
+def _dtensor_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _DTensorScale(init_device_mesh("cpu", (world,)))
+    out = {}
+    for dcp_size in (2, 1):
+        torch._dynamo.reset()
+        step = torch.compile(model, backend="dsa_dcp", options={"dcp_size": dcp_size, "lowering": "fx"},
+                             fullgraph=True)
+        try:
+            with torch.no_grad():
+                out[dcp_size] = step(torch.full((4,), 2.0)).tolist()
+        except Exception as e:  # noqa: BLE001 - the parent asserts on the message
+            out[dcp_size] = str(e)
+    return out
+
+
+def test_a_dcp_program_whose_parameters_are_dtensors_is_refused_at_compile_time():
+    for got in run_on_ranks(_dtensor_rank, 2, timeout=120):
+        assert "1 input(s) of the step are DTensors (l_self_parameters_scale_)" in got[2], got[2]
+        assert "DCP does not run inside DTensor tensor parallelism" in got[2], got[2]
+        assert got[1] == [2.0] * 4  # dcp_size=1: no DCP, the model runs as written
