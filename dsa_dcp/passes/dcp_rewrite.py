@@ -30,6 +30,9 @@ from dsa_dcp.debug_checks import check_step
 from dsa_dcp.kv_cache import kv_layout
 from dsa_dcp.merge import MERGES, MergeSite, MergeStrategy, head_slice
 from dsa_dcp.ops import SPARSE_MLA, TOPK_REMAP
+from dsa_dcp.ops_positions import SPARSE_MLA_POSITIONS
+
+MLA_ATTENTION = (SPARSE_MLA, SPARSE_MLA_POSITIONS)  # one latent KV head: the same on every TP rank
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
 from dsa_dcp.passes.fx import Emitter, alias_base, getitem_users, placeholder_values, recorded_layer, refresh_meta
@@ -148,10 +151,10 @@ class DCPRewrite(DCPPass):
     @staticmethod
     def _plan_tp_layer(attn: fx.Node, layer: int | None, strategy: MergeStrategy, tp: TPSite, replicate_q: bool,
                        plan: RewritePlan) -> None:
-        if attn.target is not SPARSE_MLA:
+        if attn.target not in MLA_ATTENTION:
             plan.problems.append(f"{attn.name} holds a tensor-parallel shard of the heads; DCP inside TP takes the MLA "
-                                 f"attention (sparse_mla) only{where(attn)}")
-        query = QueryProjection.match(attn) if replicate_q and attn.target is SPARSE_MLA else None
+                                 f"attention (sparse_mla, sparse_mla_positions) only{where(attn)}")
+        query = QueryProjection.match(attn) if replicate_q and attn.target in MLA_ATTENTION else None
         if isinstance(query, str):  # the layer stays planned (its all-reduce placed): the problem refuses
             plan.problems.append(f"replicate_q: the query weights of {attn.name}'s heads cannot be found: {query}; "
                                  f"compile with replicate_q=False")

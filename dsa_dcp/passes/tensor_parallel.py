@@ -116,7 +116,8 @@ def group_problems(tp: TPSite, dcp_group_name: str, dcp_size: int) -> list[str]:
 
 def unplaced_collectives(gm: fx.GraphModule, placed: set[fx.Node]) -> list[str]:
     """Data-moving collectives of the model's graph other than the TP all-reduces in ``placed`` and
-    those over the same groups (a TP MLP's sum): ``name (group)`` of each."""
+    the all-reduces and all-gathers over the same groups (a TP MLP's sum, a vocabulary-parallel
+    embedding's sum, a column-parallel head's gather): ``name (group)`` of each."""
     groups = {F.arg(node, 2, "group_name") for node in placed}
     found = []
     for node in gm.graph.nodes:
@@ -124,6 +125,8 @@ def unplaced_collectives(gm: fx.GraphModule, placed: set[fx.Node]) -> list[str]:
             continue
         if F.c10d_name(node) in ALL_REDUCES and F.arg(node, 2, "group_name") in groups:
             continue
+        if F.c10d_name(node) == "all_gather_into_tensor" and F.arg(node, 2, "group_name") in groups:
+            continue  # a column-parallel head's logits gathered over the TP group
         found.append(f"{node.name} ({F.target_name(node.target)})")
     return found
 

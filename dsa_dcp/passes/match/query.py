@@ -13,7 +13,8 @@ A TP rank computes the query of its ``H / T`` heads from a latent every rank of 
 ``QueryProjection.match(attn)`` walks from ``q_lat`` and ``q_pe`` backwards, tracking where the head
 axis is from the recorded shapes, through the steps whose head axis it can follow: casts and
 ``contiguous``, ``view``/``reshape``/``unflatten`` (the head axis kept whole, or merged head-major
-into the last dim), ``split``/``chunk`` and indexing along other dims, ``cat`` along another dim,
+into the last dim), ``split``/``chunk`` and indexing along other dims, ``cat``/``stack`` along another dim, ``flatten``
+of other dims,
 pointwise arithmetic (an operand without the head axis, or of size 1 there, is read as it is), a
 per-head ``einsum`` (its operand indexed by head is a *query weight*), and ``linear`` whose output's
 last dim holds the merged heads (its weight and bias are query weights, its input the latent). A
@@ -164,6 +165,8 @@ class _Walk:
             return [(node.args[0], axis, merged)]
         if node.op == "call_function" and node.target is operator.getitem:
             return self._index(node, axis, merged)
+        if name == "flatten" or F.calls(node, (torch.flatten,)):
+            return self._flatten(node, axis, merged)
         if name in ("view", "reshape", "unflatten"):
             return self._view(node, axis, merged)
         if F.calls(node, EINSUM):
@@ -178,6 +181,11 @@ class _Walk:
             if dim == axis:
                 return f"{node.name} concatenates along the query head axis"
             return [(t, axis, merged) for t in tensors]
+        if F.calls(node, (torch.stack,)):
+            tensors, dim = node.args[0], F.arg(node, 1, "dim", 0) % len(out)
+            if merged or dim == axis:
+                return f"{node.name} stacks along the query head axis"
+            return [(t, axis if axis < dim else axis - 1, False) for t in tensors]
         if F.calls(node, POINTWISE, POINTWISE_METHODS):
             return self._pointwise(node, axis, merged, out)
         return f"{node.name} ({F.target_name(node.target)}) is a step the query heads cannot be followed through"
@@ -205,6 +213,18 @@ class _Walk:
         if not whole or (merged and axis < len(index) and index[axis] != slice(None)):
             return f"{node.name} indexes the query along its head axis"
         return [(node.args[0], axis, merged)]
+
+    @staticmethod
+    def _flatten(node: fx.Node, axis: int, merged: bool):
+        """``flatten(start, end)`` of dims other than the heads (rows ``[B, S, H, D] -> [B*S, H, D]``)."""
+        before = F.shape(node.args[0])
+        if before is None:
+            return f"{node.name} flattens a value with no recorded shape"
+        start = F.arg(node, 1, "start_dim", 0) % len(before)
+        end = F.arg(node, 2, "end_dim", -1) % len(before)
+        if merged or axis == start and end > start:
+            return f"{node.name} flattens the query heads with other dims"
+        return [(node.args[0], axis if axis < start else axis + (end - start), False)]
 
     def _view(self, node: fx.Node, axis: int, merged: bool):
         before, after = F.shape(node.args[0]), F.shape(node)
