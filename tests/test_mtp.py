@@ -205,3 +205,28 @@ def test_dcp_drafts_and_accepts_what_the_single_rank_model_does(world, merge):
         assert "allocate its caches whole (DSAModel(..., draft_cache='replicated')" in errors["split_draft_cache"]
         assert "was allocated for dcp_size=1" in errors["whole_draft_cache_not_named"]
         assert "a DCP rank never holds the global cache" in errors["whole_draft_cache_not_named"]
+
+
+def test_bench_times_a_speculative_round_and_the_plain_step():
+    """``dsa-dcp bench step --mtp K``'s round on the CPU (a call counter for a timer): every step kind
+    compiles with the speculative options and runs; the round is extend + (K - 1) chain + verify."""
+    from dsa_dcp.bench.speculative import format_speculative_table, speculative_inputs, speculative_round_us
+
+    k, batch, context = 2, 2, 5
+    cfg = get_config("glm5.2-tiny", n_layers=1, mtp_layers=1)
+    inputs, num_slots = speculative_inputs(cfg, batch, context, k, "cpu")
+    assert inputs["verify"][1].tolist() == [5, 6, 7, 5, 6, 7] and inputs["chain"][1].tolist() == [5, 5]
+    model = DSAModel(cfg, num_slots, seed=SEED)
+    calls = []
+
+    def timer(fn):
+        fn()
+        calls.append(1)
+        return float(len(calls))  # plain 1, verify 2, extend 3, chain 4
+
+    torch._dynamo.reset()
+    row = speculative_round_us(model, cfg, batch, context, k, timer, {"lowering": "fx"})
+    assert row["round_us"] == 3 + (k - 1) * 4 + 2 and row["breakeven_accept_length"] == row["round_us"] / 1
+    assert row["us_per_token_at_accept_3"] == row["round_us"] / 3
+    assert model.draft_kv_cache()[inputs["extend"][3]].abs().sum(-1).gt(0).all()  # the draft steps ran
+    assert "| 2 | 2 | 1 | 2 | 3 | 4 | 9 | 9.00 | 9 | 4 | 3 |" in format_speculative_table([{"batch": 2, **row}])
