@@ -134,7 +134,39 @@ def _dcp_rank(rank, world, merge, ks):
                   "draft_summary": dsa_dcp.backend_report().summary}
     if world == 2:
         out["refusals"] = _refusals(world)
+        out["one_graph"] = _verify_then_draft(world)
     return out
+
+
+def _verify_and_draft_step(model, input_ids, positions, req_ids, slots, page_table):
+    logits, hidden = model(input_ids, positions, req_ids, slots, page_table, return_hidden=True)
+    draft_logits, _ = model.draft(input_ids, positions, req_ids, slots, page_table, hidden)
+    return logits, draft_logits
+
+
+def _one_graph_inputs(k):
+    cfg, batch = _setup(k)
+    rows = [(r, p) for r in (1, 2) for p in range(4)]  # 8 rows: a multiple of draft_length + 1
+    ids = torch.tensor([batch.requests[r].prompt[p] for r, p in rows])
+    positions = torch.tensor([p for _, p in rows])
+    req_ids = torch.tensor([r for r, _ in rows])
+    slots = torch.tensor([batch.slot(r, p) for r, p in rows])
+    return cfg, batch, (ids, positions, req_ids, slots, batch.page_table)
+
+
+def _verify_then_draft(world):
+    """The target and the draft in one graph: the draft's nodes stay whole, the target's are split."""
+    import dsa_dcp
+
+    cfg, batch, inputs = _one_graph_inputs(3)
+    torch._dynamo.reset()
+    model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=SEED)
+    step = dsa_dcp.compile(_verify_and_draft_step, dcp_size=world, lowering="fx", replicated_modules=["mtp"],
+                           draft_length=3)
+    with torch.no_grad():
+        logits, draft_logits = step(model, *inputs)
+    return {"logits": logits, "draft_logits": draft_logits, "summary": dsa_dcp.backend_report().summary,
+            "draft_cache": model.draft_kv_cache().clone()}
 
 
 def _refusals(world):
@@ -199,6 +231,17 @@ def test_dcp_drafts_and_accepts_what_the_single_rank_model_does(world, merge):
             torch.testing.assert_close(got["draft_cache"], model.draft_kv_cache(), rtol=1e-5, atol=1e-5)
         _check_target_caches_are_split(cfg, batch, model.kv_caches(), [r[k]["caches"] for r in ranks], world)
     if world == 2:
+        cfg, batch, inputs = _one_graph_inputs(3)
+        model = DSAModel(cfg, batch.num_slots, seed=SEED)
+        with torch.no_grad():
+            logits, draft_logits = _verify_and_draft_step(model, *inputs)
+        for res in ranks:
+            got = res["one_graph"]
+            assert got["summary"]["sparse_attention_nodes"] == cfg.n_layers + 1  # the draft's node counted too
+            assert got["summary"]["remaps"] == len(cfg.indexer_layers)  # the target's only
+            torch.testing.assert_close(got["logits"], logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got["draft_logits"], draft_logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got["draft_cache"], model.draft_kv_cache(), rtol=1e-5, atol=1e-5)
         errors = ranks[0]["refusals"]
         assert "KV cache" in errors["split_draft_cache"]
         assert "of replicated module 'mtp' was allocated for dcp_size=2" in errors["split_draft_cache"]
