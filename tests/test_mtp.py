@@ -110,6 +110,15 @@ def test_draft_options_are_refused_at_compile_time():
                                                  r"has 5 rows, not a multiple of draft_length \+ 1 = 4"):
         dsa_dcp.compile(model, replicated_modules=["mtp"], draft_length=3, lowering="fx")(*five)
 
+    def draft_and_read_its_cache(model, *inputs):  # the draft's cache read outside the draft module
+        logits, _ = model.draft(*inputs)
+        return logits + model.mtp.layer.attn.kv_cache.sum()
+
+    torch._dynamo.reset()
+    with pytest.raises(DCPValidationError, match=r"cache \w+ is used inside replicated module 'mtp' and outside it"):
+        dsa_dcp.compile(draft_and_read_its_cache, replicated_modules=["mtp"], lowering="fx")(
+            model, *inputs, torch.zeros(8, cfg.hidden_size))
+
 
 # ---------------------------------------------------------------------- DCP over gloo
 
