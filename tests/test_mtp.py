@@ -164,18 +164,22 @@ def _one_graph_inputs(k):
 
 
 def _verify_then_draft(world):
-    """The target and the draft in one graph: the draft's nodes stay whole, the target's are split."""
+    """The target and the draft in one graph: the draft's nodes stay whole, the target's are split; with
+    a sharded index cache for the target (the draft's stays whole), then the draft alone again."""
     import dsa_dcp
 
     cfg, batch, inputs = _one_graph_inputs(3)
     torch._dynamo.reset()
-    model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=SEED)
-    step = dsa_dcp.compile(_verify_and_draft_step, dcp_size=world, lowering="fx", replicated_modules=["mtp"],
-                           draft_length=3)
+    model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=SEED, index_cache="sharded")
+    options = dict(dcp_size=world, lowering="fx", replicated_modules=["mtp"], draft_length=3, index_cache="sharded")
+    step = dsa_dcp.compile(_verify_and_draft_step, **options)
     with torch.no_grad():
         logits, draft_logits = step(model, *inputs)
-    return {"logits": logits, "draft_logits": draft_logits, "summary": dsa_dcp.backend_report().summary,
-            "draft_cache": model.draft_kv_cache().clone()}
+        summary = dsa_dcp.backend_report().summary
+        hidden = model.draft_kv_cache().clone()  # the draft cache after the one-graph step
+        again, _ = dsa_dcp.compile(model.draft, **options)(*inputs, torch.ones(len(inputs[0]), cfg.hidden_size))
+    return {"logits": logits, "draft_logits": draft_logits, "summary": summary, "draft_cache": hidden,
+            "draft_again": again}
 
 
 def _refusals(world):
@@ -251,6 +255,10 @@ def test_dcp_drafts_and_accepts_what_the_single_rank_model_does(world, merge):
             torch.testing.assert_close(got["logits"], logits, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got["draft_logits"], draft_logits, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got["draft_cache"], model.draft_kv_cache(), rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            again, _ = model.draft(*inputs, torch.ones(len(inputs[0]), cfg.hidden_size))
+        for res in ranks:
+            torch.testing.assert_close(res["one_graph"]["draft_again"], again, rtol=1e-5, atol=1e-5)
         errors = ranks[0]["refusals"]
         assert "KV cache" in errors["split_draft_cache"]
         assert "of replicated module 'mtp' was allocated for dcp_size=2" in errors["split_draft_cache"]

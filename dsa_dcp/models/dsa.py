@@ -517,7 +517,7 @@ class DSAModel(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # A move/cast makes new cache tensors; keep their recorded KV layouts and index-cache marks.
-        attns = self.attention_layers() if hasattr(self, "lm_head") else []
+        attns = self.attention_layers() if hasattr(self, "mtp") else []
         owners = [(attn, "kv_cache") for attn in attns] + \
             [(attn.indexer, "index_cache") for attn in attns if attn.indexer is not None]
         before = [(kv_layout(getattr(m, name)), is_index_cache(getattr(m, name))) for m, name in owners]

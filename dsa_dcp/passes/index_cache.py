@@ -102,7 +102,8 @@ class IndexCache(DCPPass):
                         f"read by {user.format_node()}, not by a lightning indexer the indexer_kernels pass "
                         f"recognized{_why(user, left)}; only its index_scores can read a sharded index cache"
                         f"{where(user)}")
-        if mode == "sharded" and not plan.caches and not plan.problems:
+        # a replicated module's step (a speculative draft) keeps its index caches whole by request
+        if mode == "sharded" and not plan.caches and not plan.problems and not any(map(is_replicated, gm.graph.nodes)):
             plan.problems.append(_nothing_to_shard(gm, ctx))
         plan.all_gathers = [f"{scores.name}'s top-k agreement" for scores, _ in plan.indexers]
         return plan
