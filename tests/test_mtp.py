@@ -82,6 +82,16 @@ def test_the_mtp_layer_leaves_the_target_as_it_was():
         without.draft(rows, rows, rows * 0, slots, batch.page_table, hidden)
 
 
+def test_module_paths_are_read_from_dynamos_module_stack_in_its_spellings():
+    from dsa_dcp.passes.replicated import module_path
+
+    assert module_path("L['self'].mtp.layer.attn") == "mtp.layer.attn"
+    assert module_path("L['self']._modules['mtp']._modules['layer']") == "mtp.layer"
+    assert module_path('L["self"].layers[0].attn') == "layers.0.attn"
+    assert module_path("L['model'].mtp") == "mtp"
+    assert module_path("L['self']") == ""
+
+
 def test_draft_options_are_refused_at_compile_time():
     """Tree drafts are refused by the options; an unknown module name and a verify step whose rows are
     not a multiple of k + 1 by the replicated_modules pass (at every dcp_size, 1 included)."""

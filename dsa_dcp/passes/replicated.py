@@ -41,9 +41,9 @@ _ROOT = re.compile(r"^[LG]\.[A-Za-z_][A-Za-z0-9_]*\.?")
 def module_path(path: str) -> str:
     """A dynamo module-stack path as a dotted name from the compiled module: ``L['self'].mtp.layer``
     and ``L['self']._modules['layers'][0]`` become ``mtp.layer`` and ``layers.0``."""
-    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", str(path))
+    path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", str(path))
     path = re.sub(r"\[(\d+)\]", r".\1", path)
-    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     return _ROOT.sub("", path)
 
 
