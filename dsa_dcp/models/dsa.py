@@ -416,6 +416,11 @@ class DSAModel(nn.Module):
     Buffers (non-persistent): ``layers[i].attn.kv_cache`` for every layer,
     ``layers[i].attn.indexer.index_cache`` for indexer layers.
 
+    MTP (``cfg.mtp_layers == 1``): ``mtp`` is an ``MTPLayer`` (the speculative decoding draft, run by
+    ``draft``) with its own ``mtp.layer.attn.kv_cache`` and index cache, allocated whole on every rank
+    (``draft_cache="replicated"``, compiled with ``replicated_modules=["mtp"]``) or split like the
+    target's (``draft_cache="split"``).
+
     Tensor parallelism (module docstring): ``tp_size=T`` splits the model over the whole world
     (which must have T ranks), ``tp_group=`` over the given process group (several TP groups can
     sit side by side in one world); ``model.tp`` is this rank's ``TensorParallel``. The seeded
