@@ -215,6 +215,14 @@ def _refusals(world):
             dsa_dcp.compile(model.draft, dcp_size=world, lowering="fx", **options)(*inputs)
         except DCPValidationError as e:
             errors[name] = str(e)
+    torch._dynamo.reset()  # a target step of 6 rows compiled for draft length 3 (verify steps of 4 rows a request)
+    model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=SEED)
+    six = torch.zeros(6, dtype=torch.int64)
+    try:
+        dsa_dcp.compile(model, dcp_size=world, lowering="fx", replicated_modules=["mtp"], draft_length=3)(
+            six, six - 1, six, six - 1, batch.page_table)
+    except DCPValidationError as e:
+        errors["verify_rows"] = str(e)
     return errors
 
 
@@ -278,6 +286,7 @@ def test_dcp_drafts_and_accepts_what_the_single_rank_model_does(world, merge):
         assert "allocate its caches whole (DSAModel(..., draft_cache='replicated')" in errors["split_draft_cache"]
         assert "was allocated for dcp_size=1" in errors["whole_draft_cache_not_named"]
         assert "a DCP rank never holds the global cache" in errors["whole_draft_cache_not_named"]
+        assert "has 6 rows, not a multiple of draft_length + 1 = 4" in errors["verify_rows"]
 
 
 def test_bench_times_a_speculative_round_and_the_plain_step():
