@@ -5,7 +5,8 @@ one-row steps, latency-bound: splitting its KV over the group would add a merge 
 save little memory. So its caches stay whole on every rank and its attention stays single-rank
 attention, while the target model's is split.
 
-Expects: dynamo's graph after the other normalize passes (the indexer as ``index_scores`` +
+Runs at every ``dcp_size`` when ``replicated_modules`` or ``draft_length`` is given (its checks hold at
+one rank too). Expects: dynamo's graph after the other normalize passes (the indexer as ``index_scores`` +
 ``topk_select``), whose nodes carry dynamo's module stack.
 Leaves: the graph unchanged; every call node inside a named module (its module path is the name or
 below it) and every cache input those nodes read or write (a KV cache with a recorded layout, or an
@@ -30,6 +31,7 @@ import torch.fx as fx
 
 from dsa_dcp import registry
 from dsa_dcp.kv_cache import is_index_cache, kv_layout
+from dsa_dcp.ops import SPARSE_ATTENTION_OPS
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
 from dsa_dcp.passes.fx import alias_base, placeholder_values, shape
@@ -85,7 +87,7 @@ class ReplicatedModules(DCPPass):
                 if base.op == "placeholder" and _is_cache(values.get(base)):
                     plan.caches.setdefault(base, module)
         for cache, module in plan.caches.items():
-            plan.problems += _cache_problems(cache, values[cache], module, plan.nodes, ctx)
+            plan.problems += _cache_problems(cache, values[cache], module, plan.nodes)
         plan.problems += _verify_rows_problems(gm, ctx, plan.nodes)
         return plan
 
@@ -98,8 +100,6 @@ class ReplicatedModules(DCPPass):
 
 
 def _attention(gm: fx.GraphModule) -> set[fx.Node]:
-    from dsa_dcp.ops import SPARSE_ATTENTION_OPS
-
     return {n for n in gm.graph.nodes if n.op == "call_function" and n.target in SPARSE_ATTENTION_OPS}
 
 
@@ -124,8 +124,7 @@ def _unknown_names(names: tuple[str, ...], found: set[str]) -> list[str]:
     return problems
 
 
-def _cache_problems(cache: fx.Node, value: torch.Tensor, module: str, nodes: dict[fx.Node, str],
-                    ctx: CompileContext) -> list[str]:
+def _cache_problems(cache: fx.Node, value: torch.Tensor, module: str, nodes: dict[fx.Node, str]) -> list[str]:
     problems = []
     outside = [u for u in _users_through_views(cache) if u.op != "output" and u not in nodes]
     if outside:
