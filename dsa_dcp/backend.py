@@ -25,7 +25,7 @@ from dsa_dcp.config import DCPOptions, OptionsError, resolve_group
 from dsa_dcp.lowering import lower
 from dsa_dcp.passes import build_pipeline
 from dsa_dcp.passes.base import CompileContext
-from dsa_dcp.passes.graph import graph_summary, sparse_attention_nodes
+from dsa_dcp.passes.graph import graph_summary, is_replicated, sparse_attention_nodes
 from dsa_dcp.passes.kv_writes import kv_cache_inputs
 from dsa_dcp.position_cache import PositionShardedCache
 from dsa_dcp.passes.errors import DCPRewriteError
@@ -138,7 +138,8 @@ def dsa_dcp_backend(
     if problems:
         raise DCPValidationError(problems)
     if opts.dcp_size > 1 and not sparse_attention_nodes(gm.graph) and not kv_cache_inputs(gm, ctx.example_inputs) \
-            and not any(isinstance(x, PositionShardedCache) for x in example_inputs):
+            and not any(isinstance(x, PositionShardedCache) for x in example_inputs) \
+            and not any(is_replicated(n) for n in gm.graph.nodes):  # a replicated module's step is whole by request
         notes.append(f"dcp_size={opts.dcp_size}, but this graph has no sparse attention node and touches no KV "
                      f"cache allocated by dsa_dcp.allocate_kv_cache: it was compiled without DCP (every rank "
                      f"runs it whole)")

@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
                       help="KV and index-key storage: bf16, or fp8 (E4M3 KV with a per-tensor scale, FP8 index keys "
                            "with a per-token scale)")
+    step.add_argument("--mtp", type=_at_least(1), metavar="K",
+                      help="also time a speculative round with the MTP draft of draft length K against the plain step")
     step.add_argument("--json", help="also write the rows to this file")
     step.set_defaults(func=_bench_step)
     hf = bench_sub.add_parser("hf", parents=[common],

@@ -68,6 +68,13 @@ class DCPOptions:
                   lower with Inductor (``lowering="inductor"`` unless ``lowering`` is given, and
                   ``"fx"`` is refused) and turn on its autotuning (``inductor_config()``);
                   ``-no-cudagraphs`` also means ``cuda_graphs=False`` unless given.
+    replicated_modules: names of modules (``"mtp"``: ``model.get_submodule(name)``) left out of the
+                  DCP rewrite: their attention stays single-rank attention over caches every rank
+                  holds whole (the ``replicated_modules`` pass; a speculative decoding draft).
+    draft_length: the draft length k of speculative decoding, when the program serves one: a step
+                  whose attention is split over the group (the verify step) must have a multiple of
+                  ``k + 1`` rows (each request verifies its k drafted tokens and the token before them).
+    draft_topk:   drafted candidates per step: 1 (a chain); tree drafts are not supported.
 
     Every value is checked by type: flags are ``True``/``False`` (not ``1``/``0``), sizes are
     ``int`` (not ``bool`` or ``float``) in ``[1, MAX_SIZE]``, and ``dcp_size * interleave <= MAX_SIZE``.
@@ -89,6 +96,9 @@ class DCPOptions:
     indexer_kernels: bool = True
     index_cache: str = "replicated"
     replicate_q: bool = True
+    replicated_modules: tuple[str, ...] = ()
+    draft_length: int | None = None
+    draft_topk: int = 1
 
     @classmethod
     def parse(cls, options: dict[str, Any] | DCPOptions | None) -> DCPOptions:
@@ -110,8 +120,9 @@ class DCPOptions:
         unknown = sorted((k for k in options if k not in valid), key=repr)
         if unknown:
             raise OptionsError(f"unknown dsa_dcp option(s) {unknown}; valid options are {valid}")
-        if isinstance(options.get("batch_sizes"), list):
-            options["batch_sizes"] = tuple(options["batch_sizes"])
+        for name in ("batch_sizes", "replicated_modules"):
+            if isinstance(options.get(name), list):
+                options[name] = tuple(options[name])
         mode = options.get("mode")
         if mode in _AUTOTUNE_MODES:  # the mode picks what the user left unsaid
             options.setdefault("lowering", "inductor")
@@ -188,6 +199,16 @@ class DCPOptions:
         elif self.index_cache == "sharded" and self.indexer_kernels is False:
             p.append("index_cache='sharded' needs indexer_kernels=True: the sharded scores and the top-k "
                      "agreement replace the indexer the indexer_kernels pass recognizes")
+        if not (isinstance(self.replicated_modules, tuple) and all(
+                isinstance(m, str) and m and not m.startswith(".") and not m.endswith(".")
+                for m in self.replicated_modules) and len(set(self.replicated_modules)) == len(self.replicated_modules)):
+            p.append(f"replicated_modules must be a list of distinct module names (dotted paths such as 'mtp' or "
+                     f"'mtp.layer'), got {self.replicated_modules!r}")
+        if self.draft_length is not None and not positive_int(self.draft_length):
+            p.append(size_problem("draft_length", self.draft_length, "None or an integer >= 1"))
+        if not is_int(self.draft_topk) or self.draft_topk != 1:
+            p.append(f"draft_topk must be 1: the draft is a chain (one token a step, top-k 1); tree drafts "
+                     f"(several candidates a step) are not supported, got {self.draft_topk!r}")
         return p
 
     def inductor_config(self) -> dict[str, Any]:

@@ -22,6 +22,13 @@ def _tp_rank(rank, world):
     return rows
 
 
+def _mtp_rank(rank, world):
+    from dsa_dcp.bench.dcp_run import check_speculative
+
+    spec = RunSpec(device="cpu", merges=("a2a",), steps=4, tiny_only=True, lowering="fx", tiny_layers=2, mtp=2)
+    return list(check_speculative(rank, world, spec))
+
+
 def _hf_rank(rank, world):
     spec = RunSpec(device="cpu", merges=("fused_a2a",), steps=3, tiny_only=True, lowering="fx")
     return list(check_transformers(rank, world, spec))
@@ -71,6 +78,18 @@ def test_run_script_topology_is_checked_against_the_world():
     assert topology_problem(4, 1, 2) == "without TP the DCP group is the world: --dcp 2 in a world of 4"
 
 
+def test_run_script_mtp_part_on_cpu_ranks():
+    """``--mtp K``: speculative decoding with the draft whole on every rank, against one rank."""
+    for rows in run_on_ranks(_mtp_rank, 2):
+        assert [(r["merge"], r["draft_length"]) for r in rows] == [("a2a", 2)]
+        for r in rows:
+            assert r["tokens_match"] and r["drafts_match"] and r["accepted_match"], r
+            assert r["accept_length"] == r["ref_accept_length"] and 1 <= r["accept_length"] <= 3
+            assert r["max_rel_logit_err"] < 1e-5, r
+            assert r["kv_rows_per_rank"] == r["kv_rows_expected"]
+            assert r["draft_kv_rows"] == r["draft_kv_rows_expected"] and r["draft_cache_same_as_rank0"]
+
+
 def test_step_kernel_time_is_split_by_what_dcp_adds():
     from dsa_dcp.bench.kinds import kernel_us_by_kind
 
@@ -93,6 +112,8 @@ def test_ranks_sharing_a_gpu_are_refused_what_needs_nccl_before_any_rank_starts(
         (["--device", "cuda", "--backend", "gloo", "--merges", "a2a", "ag"], "['ag'] need NCCL"),
         (["--device", "cuda", "--backend", "gloo", "--parts", "latency", "--merges", "a2a"], "['latency'] need NCCL"),
         (["--device", "cpu", "--backend", "nccl"], "--backend nccl needs --device cuda"),
+        (["--device", "cpu", "--parts", "mtp"], "--parts mtp needs --mtp K"),
+        (["--device", "cpu", "--mtp", "0"], "--mtp needs a draft length >= 1, got 0"),
     ]:
         with pytest.raises(SystemExit) as e:
             main(argv)

@@ -19,13 +19,18 @@ rank:
    unmodified (tiny random weights), compiled in place and run by ``model.generate`` on a
    ``DCPStaticCache``, against the same model compiled for this rank's device alone (``dcp_size=1``,
    the single-rank program DCP must equal; bf16 and fp32 on a GPU).
+5. **mtp** (``--mtp K``) — greedy speculative decoding with the MTP draft (draft length K,
+   ``dsa_dcp.models.speculative``): GLM-5.2-shaped models with an MTP layer, the draft compiled with
+   ``replicated_modules=["mtp"]`` (its caches whole on every rank) and the target split, against the
+   same model run single-device; drafted tokens, accepted counts, tokens and accept length must be
+   the single-device run's, each rank's draft cache the same bytes as rank 0's.
 
 The topology: ``--tp T --dcp N`` runs the correctness and step latency parts on ``DSAModel``s that
 are tensor-parallel over TP groups of ``T`` ranks, compiled with DCP over groups of ``N`` ranks
 inside them (``dsa_dcp.topology.tp_dcp_groups``; ``--dcp`` defaults to ``T``), with
 ``--replicate-q`` (default) or ``--no-replicate-q``; the step latency part's ``dcp1`` rows are then
 TP alone, so one run compares TP ``T`` + DCP ``N`` with TP ``T``. Correctness compares against the
-unsharded single-device model. The merge and transformers parts run without TP only.
+unsharded single-device model. The merge, transformers and mtp parts run without TP only.
 
 Rank 0 prints each row as it is measured (and timestamped progress on stderr), rewrites the JSON
 (``--json``) after every row, and prints the tables at the end. ``--parts`` picks parts (on two
@@ -73,6 +78,7 @@ class RunSpec:
     tp: int = 1
     dcp: int | None = None
     replicate_q: bool = True
+    mtp: int | None = None  # draft length of the mtp part (None: the part does not run)
 
     def dcp_size(self, world: int) -> int:
         return self.dcp if self.dcp is not None else (world if self.tp == 1 else self.tp)
@@ -199,6 +205,61 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                     row["fused_kernel"] = fused_merge.has_workspace(dist.group.WORLD.group_name)
                 yield row
                 del model, step
+
+
+def check_speculative(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
+    """Greedy speculative decoding with the MTP draft (draft length ``spec.mtp``) under DCP against the
+    same model single-device: the target split, the draft whole on every rank (``replicated_modules``)."""
+    from dsa_dcp.merge import MERGES
+    from dsa_dcp.models import DSAModel, get_config, make_requests
+    from dsa_dcp.models.speculative import generate_speculative
+    from dsa_dcp.slots import local_cache_rows
+
+    k = spec.mtp
+    configs = [("glm5.2-tiny + MTP", get_config("glm5.2-tiny", n_layers=spec.tiny_layers or 4, mtp_layers=1))]
+    if not spec.tiny_only:
+        configs.insert(0, ("glm5.2 (real attention dims) + MTP", get_config(
+            "glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768, page_size=64, mtp_layers=1)))
+    for label, cfg in configs:
+        lens = [3, 100, 2100] if cfg.index_topk > 64 else [3, cfg.index_topk - 1, 3 * cfg.index_topk]
+        batch = make_requests(cfg, lens, max_new_tokens=spec.steps + k, prefill_chunk=512 if cfg.index_topk > 64 else 8,
+                              seed=3)
+        with torch.no_grad():
+            _progress(f"{label}: single-device speculative reference, draft length {k}")
+            single = DSAModel(cfg, batch.num_slots, device=spec.device, seed=5)
+            ref = generate_speculative(single, single.draft, batch, spec.steps, k, device=spec.device)
+            del single
+            for merge in spec.merges:
+                if cfg.n_heads % world and MERGES[merge].head_sharded:
+                    continue
+                _progress(f"{label}: {merge} over {world} ranks, draft length {k}")
+                torch._dynamo.reset()
+                model = DSAModel(cfg, batch.num_slots, dcp_size=world, device=spec.device, seed=5)
+                options = {"dcp_size": world, "merge": merge, "cuda_graphs": False, "replicated_modules": ["mtp"],
+                           "draft_length": k, **({"lowering": spec.lowering} if spec.lowering else {})}
+                target = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
+                draft = torch.compile(model.draft, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
+                start = time.perf_counter()
+                out = generate_speculative(target, draft, batch, spec.steps, k, device=spec.device)
+                seconds = time.perf_counter() - start
+                draft_cache = model.draft_kv_cache()
+                # rank 0's draft cache, over the group's own device (NCCL: CUDA; gloo: the host)
+                first = draft_cache.to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+                dist.broadcast(first, 0)
+                yield {
+                    "model": label, "merge": merge, "N": world, "draft_length": k,
+                    "tokens_match": out.tokens == ref.tokens,
+                    "drafts_match": out.drafts == ref.drafts, "accepted_match": out.accepted == ref.accepted,
+                    "accept_length": out.accept_length, "ref_accept_length": ref.accept_length,
+                    "verify_steps": out.verify_steps,
+                    "max_rel_logit_err": max(_relative_error(a, b) for a, b in zip(out.target_logits, ref.target_logits)),
+                    "kv_rows_per_rank": model.kv_caches()[0].shape[0],
+                    "kv_rows_expected": local_cache_rows(batch.num_slots, world),
+                    "draft_kv_rows": draft_cache.shape[0], "draft_kv_rows_expected": batch.num_slots,
+                    "draft_cache_same_as_rank0": bool(torch.equal(first.cpu(), draft_cache.cpu())),
+                    "seconds_with_compile": seconds,
+                }
+                del model, target, draft
 
 
 def _topology_columns(spec: RunSpec) -> dict:
@@ -409,7 +470,7 @@ def merge_per_layer(rank: int, world: int, spec: RunSpec, heads: int = 64, d: in
         yield row
 
 
-PARTS = ("correctness", "latency", "merge", "transformers")
+PARTS = ("correctness", "latency", "merge", "transformers", "mtp")
 # What needs NCCL on CUDA (not run over gloo there): the speed parts (CUDA graphs), the fused merge
 # (symmetric memory) and the merges that all-gather (gloo's all-gather of CUDA tensors crashes).
 NCCL_PARTS, NCCL_MERGES = ("latency", "merge"), ("fused_a2a", "ag", "ag_rs")
@@ -424,7 +485,8 @@ def run(rank: int, world: int, spec: RunSpec, parts: tuple[str, ...] = PARTS, re
              ("step_latency", step_latency, on_cuda and "latency" in parts),
              ("merge_per_layer", merge_per_layer,
               on_cuda and "merge" in parts and "fused_a2a" in spec.merges and spec.tp == 1),
-             ("transformers", check_transformers, "transformers" in parts and spec.tp == 1)]
+             ("transformers", check_transformers, "transformers" in parts and spec.tp == 1),
+             ("mtp", check_speculative, "mtp" in parts and spec.mtp is not None and spec.tp == 1)]
     for name, fn, wanted in steps:
         if wanted:
             results[name] = []
@@ -467,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dcp", type=int, help="DCP size inside each TP group (default: the TP size; without TP, the world)")
     p.add_argument("--replicate-q", action=argparse.BooleanOptionalAction, default=True,
                    help="with --tp: hold the DCP group's query weights (default) or all-gather the query each layer")
+    p.add_argument("--mtp", type=int, metavar="K",
+                   help="also run the mtp part: speculative decoding with the MTP draft, draft length K")
     p.add_argument("--json")
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
     args = p.parse_args(argv)
@@ -474,7 +538,12 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "nccl" and args.device == "cpu":
         p.error("--backend nccl needs --device cuda")
     host_collectives = args.device == "cuda" and backend == "gloo"  # ranks may share a GPU; no graphs
-    parts = args.parts or [x for x in PARTS if not (host_collectives and x in NCCL_PARTS)]
+    if args.mtp is not None and args.mtp < 1:
+        p.error(f"--mtp needs a draft length >= 1, got {args.mtp}")
+    if args.parts and "mtp" in args.parts and args.mtp is None:
+        p.error("--parts mtp needs --mtp K (the draft length)")
+    parts = args.parts or [x for x in PARTS if not (host_collectives and x in NCCL_PARTS)
+                           and (x != "mtp" or args.mtp is not None)]
     merges = args.merges or [m for m in RunSpec.merges if not (host_collectives and m in NCCL_MERGES)]
     needs_nccl = [x for x in parts + merges if x in NCCL_PARTS + NCCL_MERGES]
     if host_collectives and needs_nccl:
@@ -491,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = RunSpec(device=args.device, merges=tuple(merges), layers=args.layers, batches=tuple(args.batches),
                    steps=args.steps, tiny_only=args.device == "cpu", lowering=args.lowering,
                    index_caches=tuple(args.index_caches), cuda_graphs=False if host_collectives else None,
-                   tp=args.tp, dcp=args.dcp, replicate_q=args.replicate_q)
+                   tp=args.tp, dcp=args.dcp, replicate_q=args.replicate_q, mtp=args.mtp)
     if args.device == "cuda":
         spec = dataclasses.replace(spec, device=f"cuda:{torch.cuda.current_device()}")
     written = {}
@@ -512,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{name} ({where})\n{_table(rows)}")
     ok = all(r["tokens_match"] and r["kv_rows_per_rank"] == r["kv_rows_expected"] and r.get("fused_kernel", True)
              for r in results.get("correctness", []))
+    ok = ok and all(r["tokens_match"] and r["drafts_match"] and r["accepted_match"] and r["draft_cache_same_as_rank0"]
+                    and r["kv_rows_per_rank"] == r["kv_rows_expected"] for r in results.get("mtp", []))
     dist.barrier()
     if args.device == "cuda" and "latency" in parts:
         # On two H200s (torch 2.11, NCCL 2.28.9) both ranks hung in destroy_process_group after

@@ -18,6 +18,10 @@ Columns, all in one process on the same model and inputs, CUDA graphs where name
 - the HBM floor: the weights, the top-k KV rows of every layer and the index keys of every
   indexer layer read once at the H200's measured copy bandwidth.
 
+``--mtp K`` adds a speculative decoding round with the MTP draft (draft length K) to each row: its
+step times and the time per accepted token at every accept length, against the plain step
+(``bench/speculative.py``).
+
 Times are medians of ``triton.testing.do_bench`` (CUDA events, warm) in microseconds. Kernels per
 step are counted with the profiler over one step run eagerly (what its graph replays), and the
 ``dsa_dcp`` step's device time is split by kind of kernel (``bench/kinds.py``).
@@ -39,6 +43,7 @@ class StepBenchSpec:
     vocab: int = 32768
     dtype: str = "bfloat16"
     kv_dtype: str = "bf16"  # or "fp8"
+    mtp: int | None = None  # draft length of the speculative round (None: not measured)
     warmup_ms: int = 100
     rep_ms: int = 500
 
@@ -70,6 +75,9 @@ def run_step_bench(spec: StepBenchSpec):
     dtype = getattr(torch, spec.dtype)
     fp8 = {"kv_dtype": "fp8", "index_key_dtype": "fp8"} if spec.kv_dtype == "fp8" else {}
     cfg = get_config("glm5", n_layers=spec.layers, intermediate_size=spec.intermediate, vocab_size=spec.vocab, **fp8)
+    if spec.mtp is not None:
+        cfg = get_config("glm5", n_layers=spec.layers, intermediate_size=spec.intermediate, vocab_size=spec.vocab,
+                         mtp_layers=1, **fp8)
     for batch in spec.batches:
         inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, device)
         torch.manual_seed(0)
@@ -122,7 +130,36 @@ def run_step_bench(spec: StepBenchSpec):
         del variants, model, stock_plain, fx
         torch._dynamo.reset()
         torch.cuda.empty_cache()
+        if spec.mtp is not None:
+            row |= _speculative_row(spec, cfg, batch, device, dtype, timed_us)
         yield row
+
+
+def timed_us(fn, spec: StepBenchSpec) -> float:
+    import triton
+
+    return 1e3 * triton.testing.do_bench(fn, warmup=spec.warmup_ms, rep=spec.rep_ms, return_mode="median")
+
+
+def _speculative_row(spec: StepBenchSpec, cfg, batch: int, device, dtype, timer) -> dict:
+    """``bench/speculative.py``'s round on a model whose caches (target and draft) hold random values."""
+    from dsa_dcp.bench.speculative import speculative_inputs, speculative_round_us
+    from dsa_dcp.models import DSAModel
+
+    _, num_slots = speculative_inputs(cfg, batch, spec.context, spec.mtp, device)
+    model = DSAModel(cfg, num_slots, dtype=dtype, device=device, seed=0)
+    with torch.no_grad():
+        for attn in model.attention_layers():
+            caches = [attn.kv_cache] + ([attn.indexer.index_cache] if attn.indexer is not None else [])
+            for cache in caches:
+                cache.copy_(torch.randn(cache.shape, device=device).to(cache.dtype))
+            if attn.indexer is not None and attn.indexer.key_scale.numel():
+                attn.indexer.key_scale.fill_(1.0)
+    row = speculative_round_us(model, cfg, batch, spec.context, spec.mtp, lambda fn: timer(fn, spec))
+    del model
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return row
 
 
 def format_step_table(rows: list[dict]) -> str:
@@ -139,12 +176,17 @@ def format_step_table(rows: list[dict]) -> str:
             f"{r.get('dsa_dcp_attention_us', 0):,.0f} / {r.get('dsa_dcp_indexer_us', 0):,.0f} / "
             f"{r.get('dsa_dcp_other_us', 0):,.0f} |"
         )
+    if rows and "mtp_k" in rows[0]:
+        from dsa_dcp.bench.speculative import format_speculative_table
+
+        lines += ["", "speculative round with the MTP draft (docs/benchmarks.md, \"Speculative decoding\")",
+                  format_speculative_table(rows)]
     return "\n".join(lines)
 
 
 def main(args) -> int:
     spec = StepBenchSpec(layers=args.layers, batches=tuple(args.batches), context=args.context,
-                         kv_dtype=getattr(args, "kv_dtype", "bf16"))
+                         kv_dtype=getattr(args, "kv_dtype", "bf16"), mtp=getattr(args, "mtp", None))
     from dsa_dcp.bench.measure import print_rows
 
     print_rows(run_step_bench(spec), args.json, format_step_table)

@@ -78,6 +78,9 @@ class DSAConfig:
     # index keys: None keeps the model's dtype; "fp8" stores E4M3 with one fp32 scale a token
     # (index_head_dim + 4 bytes, as published checkpoints store them; index_head_dim <= 128)
     index_key_dtype: str | None = None
+    # multi-token prediction (DeepSeek-V3's MTP): 0 or 1 MTP layer (``model.mtp``), the draft of
+    # speculative decoding, with its own attention, indexer and KV cache (docs/models.md, "MTP")
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if not self.indexer_layers:
@@ -114,6 +117,9 @@ class DSAConfig:
         elif self.index_key_dtype == "fp8" and self.index_head_dim > 128:
             problems.append(f"index_key_dtype='fp8' keeps one scale a token, so index_head_dim must be <= 128, got "
                             f"{self.index_head_dim}")
+        if isinstance(self.mtp_layers, bool) or self.mtp_layers not in (0, 1):
+            problems.append(f"mtp_layers must be 0 or 1 (one MTP layer, as DeepSeek-V3 and GLM-5 publish), got "
+                            f"{self.mtp_layers!r}")
         if self.index_rope_dim > self.index_head_dim:
             problems.append(f"index_rope_dim {self.index_rope_dim} > index_head_dim {self.index_head_dim}")
         il = self.indexer_layers

@@ -60,7 +60,7 @@ KV_STORE = torch.ops.dsa_dcp.kv_store.default
 KV_STORE_BLOCK_SCALED = torch.ops.dsa_dcp.kv_store_block_scaled.default
 SPARSE_MLA = torch.ops.dsa_dcp.sparse_mla.default
 
-__all__ = ["DSAModel", "DSALayer", "MLAAttention", "LightningIndexer", "SwiGLU", "RMSNorm",
+__all__ = ["DSAModel", "DSALayer", "MLAAttention", "MTPLayer", "LightningIndexer", "SwiGLU", "RMSNorm",
            "TensorParallel", "check_tp_size", "shard_for_tp", "rope_inv_freq", "apply_rope"]
 
 
@@ -280,7 +280,7 @@ class MLAAttention(nn.Module):
     heads; the latent KV cache and the indexer are whole.
     """
 
-    def __init__(self, cfg: DSAConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: DSAConfig, layer: int, tp: TensorParallel = SINGLE, indexer: bool | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer = layer
@@ -294,7 +294,8 @@ class MLAAttention(nn.Module):
         self.w_uk = nn.Parameter(torch.empty(h, cfg.qk_nope_head_dim, cfg.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(h, cfg.kv_lora_rank, cfg.v_head_dim))
         self.w_o = nn.Parameter(torch.empty(cfg.hidden_size, h * cfg.v_head_dim))
-        self.indexer = LightningIndexer(cfg) if cfg.has_indexer(layer) else None
+        own_indexer = cfg.has_indexer(layer) if indexer is None else indexer  # the MTP layer always owns one
+        self.indexer = LightningIndexer(cfg) if own_indexer else None
         self.register_buffer("kv_cache", torch.zeros(0, cfg.kv_dim), persistent=False)  # sized by DSAModel
         # FP8 KV with kv_scales="block": fp32 [rows, ceil(kv_dim / 128)], written by kv_store beside each row
         self.register_buffer("kv_block_scales", torch.zeros(0), persistent=False)
@@ -346,10 +347,10 @@ class MLAAttention(nn.Module):
 
 
 class DSALayer(nn.Module):
-    def __init__(self, cfg: DSAConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: DSAConfig, layer: int, tp: TensorParallel = SINGLE, indexer: bool | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = MLAAttention(cfg, layer, tp)
+        self.attn = MLAAttention(cfg, layer, tp, indexer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = SwiGLU(cfg, tp)
 
@@ -359,6 +360,35 @@ class DSALayer(nn.Module):
         h = h + a
         h = h + self.mlp(self.mlp_norm(h))
         return h, topk
+
+
+class MTPLayer(nn.Module):
+    """DeepSeek-V3's multi-token prediction layer: the draft of speculative decoding.
+
+    Row ``t`` at position ``p`` takes the token at ``p + 1`` and the hidden state ``h_p`` the target
+    model (or the previous draft step) produced at ``p``; each is RMS-normed, they are concatenated
+    (embedding first) and projected ``2d -> d`` (``eh_proj``), then one decoder layer with its own
+    MLA attention, lightning indexer and KV cache (written at the row's own slot, as the target's
+    row at ``p`` is) gives ``h'_p``, whose norm the model's shared output head reads to predict the
+    token at ``p + 2``. Returns ``(logits, hidden)``; ``hidden`` (after ``norm``) feeds the next draft
+    step of a chain.
+    """
+
+    def __init__(self, cfg: DSAConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.eh_proj = nn.Parameter(torch.empty(cfg.hidden_size, 2 * cfg.hidden_size))
+        self.layer = DSALayer(cfg, cfg.n_layers, tp, indexer=True)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, embedded: Tensor, hidden: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor,
+                page_table: Tensor, rope: tuple[Tensor, Tensor, Tensor, Tensor], lm_head: Tensor
+                ) -> tuple[Tensor, Tensor]:
+        h = F.linear(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1), self.eh_proj)
+        h, _ = self.layer(h, positions, req_ids, slots, page_table, None, rope)
+        h = self.norm(h)
+        return F.linear(h, lm_head).float(), h
 
 
 # ---------------------------------------------------------------------- model
@@ -386,6 +416,11 @@ class DSAModel(nn.Module):
     Buffers (non-persistent): ``layers[i].attn.kv_cache`` for every layer,
     ``layers[i].attn.indexer.index_cache`` for indexer layers.
 
+    MTP (``cfg.mtp_layers == 1``): ``mtp`` is an ``MTPLayer`` (the speculative decoding draft, run by
+    ``draft``) with its own ``mtp.layer.attn.kv_cache`` and index cache, allocated whole on every rank
+    (``draft_cache="replicated"``, compiled with ``replicated_modules=["mtp"]``) or split like the
+    target's (``draft_cache="split"``).
+
     Tensor parallelism (module docstring): ``tp_size=T`` splits the model over the whole world
     (which must have T ranks), ``tp_group=`` over the given process group (several TP groups can
     sit side by side in one world); ``model.tp`` is this rank's ``TensorParallel``. The seeded
@@ -396,7 +431,7 @@ class DSAModel(nn.Module):
     def __init__(self, cfg: DSAConfig, num_slots: int, *, kv_rows: int | None = None, dcp_size: int = 1,
                  interleave: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  seed: int = 0, index_cache: str = "replicated", tp_size: int | None = None,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, draft_cache: str = "replicated") -> None:
         super().__init__()
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -407,13 +442,16 @@ class DSAModel(nn.Module):
         self.layers = nn.ModuleList(DSALayer(cfg, i, self.tp) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # registered last, so the target's weights drawn from ``seed`` are the same with or without it
+        self.mtp = MTPLayer(cfg, self.tp) if cfg.mtp_layers else None
         self._init_weights(seed)
         self.to(device=device, dtype=dtype)
         self.register_buffer("rope_inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta).to(device),
                              persistent=False)
         self.register_buffer("index_rope_inv_freq", rope_inv_freq(cfg.index_rope_dim, cfg.rope_theta).to(device),
                              persistent=False)
-        self.allocate_caches(dcp_size=dcp_size, interleave=interleave, kv_rows=kv_rows, index_cache=index_cache)
+        self.allocate_caches(dcp_size=dcp_size, interleave=interleave, kv_rows=kv_rows, index_cache=index_cache,
+                             draft_cache=draft_cache)
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
@@ -442,21 +480,34 @@ class DSAModel(nn.Module):
         return self
 
     # ------------------------------------------------------------------ caches
+    def attention_layers(self) -> list[MLAAttention]:
+        """Every attention module that owns a KV cache: the target's layers in order, then the MTP layer's."""
+        return [layer.attn for layer in self.layers] + ([self.mtp.layer.attn] if self.mtp is not None else [])
+
     def allocate_caches(self, *, dcp_size: int = 1, interleave: int = 1, kv_rows: int | None = None,
-                        index_cache: str = "replicated") -> None:
-        """(Re)allocate every cache, zeroed, at the model's dtype/device (see class docstring)."""
+                        index_cache: str = "replicated", draft_cache: str = "replicated") -> None:
+        """(Re)allocate every cache, zeroed, at the model's dtype/device (see class docstring).
+
+        ``draft_cache``: ``"replicated"`` (default) gives the MTP layer whole caches on every rank
+        (compile its step with ``replicated_modules=["mtp"]``); ``"split"`` splits its KV cache over
+        the DCP group like the target's (its index cache then follows ``index_cache``)."""
         if index_cache not in ("replicated", "sharded"):
             raise ValueError(f"index_cache must be 'replicated' or 'sharded', got {index_cache!r}")
+        if draft_cache not in ("replicated", "split"):
+            raise ValueError(f"draft_cache must be 'replicated' or 'split', got {draft_cache!r}")
         self.dcp_size = dcp_size if kv_rows is None else 1
+        self.draft_dcp_size = self.dcp_size if draft_cache == "split" else 1
         self.index_cache = index_cache
         ref, cfg = self.embed, self.cfg
         kv_dtype = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}.get(cfg.kv_dtype, ref.dtype)
         key_dtype = torch.float8_e4m3fn if cfg.index_key_dtype == "fp8" else ref.dtype
         none = torch.zeros(0, device=ref.device)
-        for layer in self.layers:
-            attn = layer.attn
+        for attn in self.attention_layers():
+            draft = self.mtp is not None and attn is self.mtp.layer.attn
+            size = self.draft_dcp_size if draft else dcp_size
+            sharded_keys = index_cache == "sharded" and (not draft or draft_cache == "split")
             if kv_rows is None:
-                attn.kv_cache = allocate_kv_cache(self.num_slots, cfg.kv_dim, dcp_size=dcp_size,
+                attn.kv_cache = allocate_kv_cache(self.num_slots, cfg.kv_dim, dcp_size=size,
                                                   interleave=interleave, dtype=kv_dtype, device=ref.device)
             else:
                 attn.kv_cache = torch.zeros(kv_rows, cfg.kv_dim, dtype=kv_dtype, device=ref.device)
@@ -464,16 +515,16 @@ class DSAModel(nn.Module):
             attn.kv_block_scales = allocate_block_scales(attn.kv_cache) if fp8_blocks else none
             if attn.indexer is not None:
                 attn.indexer.index_cache = allocate_index_cache(
-                    self.num_slots, cfg.index_head_dim, dcp_size=dcp_size, interleave=interleave,
-                    sharded=index_cache == "sharded", dtype=key_dtype, device=ref.device)
+                    self.num_slots, cfg.index_head_dim, dcp_size=size, interleave=interleave,
+                    sharded=sharded_keys, dtype=key_dtype, device=ref.device)
                 attn.indexer.key_scale = allocate_block_scales(attn.indexer.index_cache, per_row=True) \
                     if cfg.index_key_dtype == "fp8" else none
 
     def _apply(self, fn, recurse=True):
         # A move/cast makes new cache tensors; keep their recorded KV layouts and index-cache marks.
-        owners = [(layer.attn, "kv_cache") for layer in self.layers] + \
-            [(layer.attn.indexer, "index_cache") for layer in self.layers if layer.attn.indexer is not None] \
-            if hasattr(self, "layers") else []
+        attns = self.attention_layers() if hasattr(self, "mtp") else []
+        owners = [(attn, "kv_cache") for attn in attns] + \
+            [(attn.indexer, "index_cache") for attn in attns if attn.indexer is not None]
         before = [(kv_layout(getattr(m, name)), is_index_cache(getattr(m, name))) for m, name in owners]
         # FP8 caches and their fp32 scales keep their dtype through model.to(dtype): a cast would drop
         # the quantization (or round the scales); only the device follows fn
@@ -510,8 +561,14 @@ class DSAModel(nn.Module):
         return self.layers[0].attn.kv_cache.shape[0]
 
     def kv_caches(self) -> list[Tensor]:
-        """Every layer's KV cache, layer order."""
+        """Every layer's KV cache, layer order (the target's; the MTP layer's is ``draft_kv_cache()``)."""
         return [layer.attn.kv_cache for layer in self.layers]
+
+    def draft_kv_cache(self) -> Tensor:
+        """The MTP layer's KV cache (whole on every rank unless allocated with ``draft_cache="split"``)."""
+        if self.mtp is None:
+            raise ValueError(f"{self.cfg.name!r} has no MTP layer; build it with get_config(..., mtp_layers=1)")
+        return self.mtp.layer.attn.kv_cache
 
     def index_caches(self) -> dict[int, Tensor]:
         """Index-key cache of each indexer layer, keyed by layer id."""
@@ -524,29 +581,54 @@ class DSAModel(nn.Module):
             c.zero_()
         for c in self.index_caches().values():
             c.zero_()
-        for layer in self.layers:  # FP8 caches' scales
-            layer.attn.kv_block_scales.zero_()
-            if layer.attn.indexer is not None:
-                layer.attn.indexer.key_scale.zero_()
+        for attn in self.attention_layers():  # the MTP layer's caches, and FP8 caches' scales
+            attn.kv_cache.zero_()
+            attn.kv_block_scales.zero_()
+            if attn.indexer is not None:
+                attn.indexer.index_cache.zero_()
+                attn.indexer.key_scale.zero_()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor,
-                page_table: Tensor) -> Tensor:
-        if self.dcp_size > 1 and not torch.compiler.is_compiling():
+    def _refuse_eager(self, dcp_size: int, what: str) -> None:
+        if dcp_size > 1 and not torch.compiler.is_compiling():
             # The caches hold this rank's rows only: the code as written would index them with
             # global slots. This runs only if dynamo fell back to eager (a graph break, or the
             # recompile limit), and must fail loudly rather than attend over the wrong rows.
             raise RuntimeError(
-                f"this model's KV caches are allocated for dcp_size={self.dcp_size}; run it through "
-                f"torch.compile(backend='dsa_dcp', options={{'dcp_size': {self.dcp_size}, ...}}, fullgraph=True) "
+                f"this model's {what} allocated for dcp_size={dcp_size}; run it through "
+                f"torch.compile(backend='dsa_dcp', options={{'dcp_size': {dcp_size}, ...}}, fullgraph=True) "
                 f"(it ran eagerly: a graph break or dynamo's recompile limit)"
             )
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.rope_inv_freq
         idx_freqs = positions.float().unsqueeze(-1) * self.index_rope_inv_freq
-        rope = (freqs.cos(), freqs.sin(), idx_freqs.cos(), idx_freqs.sin())
+        return freqs.cos(), freqs.sin(), idx_freqs.cos(), idx_freqs.sin()
 
+    def forward(self, input_ids: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor,
+                page_table: Tensor, return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """``logits[T, vocab]`` (fp32); with ``return_hidden=True`` also the final hidden states
+        ``[T, hidden]`` (after the final norm: what the output head reads, and what ``draft`` takes)."""
+        self._refuse_eager(self.dcp_size, "KV caches are")
+        rope = self._rope(positions)
         h = F.embedding(input_ids, self.embed)
         topk: Tensor | None = None
         for layer in self.layers:
             h, topk = layer(h, positions, req_ids, slots, page_table, topk, rope)
-        return F.linear(self.norm(h), self.lm_head).float()
+        h = self.norm(h)
+        logits = F.linear(h, self.lm_head).float()
+        return (logits, h) if return_hidden else logits
+
+    def draft(self, input_ids: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor, page_table: Tensor,
+              hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """One MTP step (``MTPLayer``): row ``t`` holds the token at ``positions[t] + 1`` and the hidden
+        state produced at ``positions[t]``; it writes the MTP layer's caches at ``slots[t]`` (the slot of
+        ``positions[t]``) and returns ``(logits[T, vocab] fp32, hidden[T, hidden])``: the logits predict
+        the token at ``positions[t] + 2``, the hidden feeds the next step of a draft chain. Padding rows
+        as in ``forward``."""
+        if self.mtp is None:
+            raise ValueError(f"{self.cfg.name!r} has no MTP layer; build it with get_config(..., mtp_layers=1)")
+        self._refuse_eager(self.draft_dcp_size, "MTP (draft) caches are")
+        embedded = F.embedding(input_ids, self.embed)
+        return self.mtp(embedded, hidden.to(embedded.dtype), positions, req_ids, slots, page_table,
+                        self._rope(positions), self.lm_head)

@@ -27,6 +27,7 @@ from dsa_dcp.passes.index_cache import IndexCache
 from dsa_dcp.passes.indexer import IndexerKernels
 from dsa_dcp.passes.kv_writes import LocalizeKVWrites
 from dsa_dcp.passes.recognize_attention import RecognizeSparseAttention
+from dsa_dcp.passes.replicated import ReplicatedModules
 from dsa_dcp.passes.share_remaps import ShareRemaps
 from dsa_dcp.passes.slot_bounds import SlotBounds
 from dsa_dcp.passes.step_inputs import StepInputs
@@ -47,15 +48,18 @@ class Pipeline:
 
 
 def build_pipeline(ctx: CompileContext) -> Pipeline:
-    """The ordered passes for these options (at ``dcp_size == 1`` only the indexer's kernels and, over
-    position caches, the sparse attention the model wrote densely)."""
+    """The ordered passes for these options (at ``dcp_size == 1`` only the indexer's kernels, over
+    position caches the sparse attention the model wrote densely, and the replicated modules' checks)."""
     indexer: list[DCPPass] = [IndexerKernels()] if ctx.options.indexer_kernels else []
     # models written elsewhere: dense top-k-masked attention over position caches (docs/models.md)
     recognize: list[DCPPass] = [RecognizeSparseAttention()] \
         if any(isinstance(x, PositionShardedCache) for x in ctx.example_inputs) else []
+    # modules left out of the rewrite (a speculative decoding draft): marked last, on the vocabulary
+    replicated: list[DCPPass] = [ReplicatedModules()] \
+        if ctx.options.replicated_modules or ctx.options.draft_length is not None else []
     if ctx.dcp_size == 1:
-        return Pipeline(recognize + indexer, [])
-    normalize: list[DCPPass] = [Canonicalize()] + recognize + indexer
+        return Pipeline(recognize + indexer + replicated, [])
+    normalize: list[DCPPass] = [Canonicalize()] + recognize + indexer + replicated
     rewrite: list[DCPPass] = [IndexCache(), LocalizeKVWrites(), DCPRewrite()]
     finish: list[DCPPass] = [ShareRemaps()] if ctx.options.share_remaps else []
     finish.append(FuseRemaps())

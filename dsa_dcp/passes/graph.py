@@ -11,8 +11,20 @@ from dsa_dcp.ops import FUSED_A2A_MERGE, FUSED_REMAPS, KV_STORES, LSE_COMBINE, S
 from dsa_dcp.ops_positions import POSITION_STORE
 
 
+# Set by the ``replicated_modules`` pass on the nodes and cache inputs of a module the DCP rewrite
+# leaves alone (its value: the module's name); every pass skips them.
+REPLICATED = "dsa_dcp_replicated"
+
+
+def is_replicated(node: fx.Node) -> bool:
+    """A node or cache input of a module kept out of the DCP rewrite (``options.replicated_modules``)."""
+    return REPLICATED in node.meta
+
+
 def sparse_attention_nodes(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op == "call_function" and n.target in SPARSE_ATTENTION_OPS]
+    """The sparse attention nodes the DCP rewrite splits (those of replicated modules are left out)."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in SPARSE_ATTENTION_OPS
+            and not is_replicated(n)]
 
 
 def is_collective(node: fx.Node) -> bool:

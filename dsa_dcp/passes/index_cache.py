@@ -36,6 +36,7 @@ from dsa_dcp.ops import C10D, INDEX_SCORES, INDEX_SCORES_SHARDED, TOPK_AGREE, TO
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
 from dsa_dcp.passes.fx import Emitter, alias_base, placeholder_values, users_in_order
+from dsa_dcp.passes.graph import is_replicated
 from dsa_dcp.passes.indexer import find_indexers
 from dsa_dcp.passes.kv_writes import _is_localizable_write as is_localizable_write
 from dsa_dcp.passes.match.position_indexer import POSITION_INDEXER
@@ -49,11 +50,13 @@ class IndexCachePlan(Plan):
 
 
 def index_cache_inputs(gm: fx.GraphModule, example_inputs: tuple) -> dict[fx.Node, object]:
-    """Index caches: inputs read by ``index_scores`` or allocated by ``allocate_index_cache``."""
+    """Index caches: inputs read by ``index_scores`` or allocated by ``allocate_index_cache`` (those of
+    replicated modules left out: they stay whole)."""
     values = placeholder_values(gm, example_inputs)
-    found = {node: value for node, value in values.items() if is_index_cache(value)}
+    found = {node: value for node, value in values.items() if is_index_cache(value) and not is_replicated(node)}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is INDEX_SCORES and not node.meta.get(POSITION_INDEXER):
+        if node.op == "call_function" and node.target is INDEX_SCORES and not node.meta.get(POSITION_INDEXER) \
+                and not is_replicated(node):
             base = alias_base(node.args[2])
             if base.op == "placeholder":
                 found.setdefault(base, values.get(base))
@@ -99,7 +102,8 @@ class IndexCache(DCPPass):
                         f"read by {user.format_node()}, not by a lightning indexer the indexer_kernels pass "
                         f"recognized{_why(user, left)}; only its index_scores can read a sharded index cache"
                         f"{where(user)}")
-        if mode == "sharded" and not plan.caches and not plan.problems:
+        # a replicated module's step (a speculative draft) keeps its index caches whole by request
+        if mode == "sharded" and not plan.caches and not plan.problems and not any(map(is_replicated, gm.graph.nodes)):
             plan.problems.append(_nothing_to_shard(gm, ctx))
         plan.all_gathers = [f"{scores.name}'s top-k agreement" for scores, _ in plan.indexers]
         return plan

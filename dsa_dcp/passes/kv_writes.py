@@ -36,7 +36,7 @@ from dsa_dcp.ops import INDEX_SCORES, KV_STORES, SPARSE_ATTENTION_OPS
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
 from dsa_dcp.passes.fx import Emitter, alias_base, placeholder_values
-from dsa_dcp.passes.graph import sparse_attention_nodes
+from dsa_dcp.passes.graph import is_replicated, sparse_attention_nodes
 from dsa_dcp.passes.position_caches import PositionWrite, local_views, localize_writes, match_write, position_caches
 from dsa_dcp.position_cache import position_layout
 from dsa_dcp.slots import localize_slots
@@ -80,9 +80,10 @@ def kv_caches_read_by_attention(gm: fx.GraphModule) -> tuple[dict[fx.Node, fx.No
 
 
 def kv_cache_inputs(gm: fx.GraphModule, example_inputs: tuple) -> dict[fx.Node, torch.Tensor]:
-    """Every graph input that is a KV cache by its recorded layout (``allocate_kv_cache``)."""
+    """Every graph input that is a KV cache by its recorded layout (``allocate_kv_cache``), but the
+    caches of replicated modules (``passes/replicated.py``), which stay whole."""
     return {node: value for node, value in placeholder_values(gm, example_inputs).items()
-            if isinstance(value, torch.Tensor) and kv_layout(value) is not None}
+            if isinstance(value, torch.Tensor) and kv_layout(value) is not None and not is_replicated(node)}
 
 
 def cache_layout_problems(gm: fx.GraphModule, ctx: CompileContext) -> list[str]:
