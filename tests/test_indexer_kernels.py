@@ -2,7 +2,8 @@
 torch references and against independent checks: an fp64 score, ``torch.topk``'s values, ``topk_remap``.
 
 On CPU the Triton kernels run under the interpreter at tiny shapes (every kernel variant: the
-one-program-a-row top-k and the chunked passes, with and without the remap, bf16/fp32/FP8 keys).
+top-k's three paths, resident row, tiled row and chunked passes, with and without the remap,
+bf16/fp32/FP8 keys).
 On a GPU machine (``TRITON_INTERPRET=0``) the same cases run on CUDA tensors with the compiled
 kernels, and the ``gpu``-marked cases check real sizes (B = 32, C = 32768, K = 2048).
 """
@@ -236,20 +237,27 @@ def _tricky_scores(gen, T, C):
     return s
 
 
+# the top-k's paths as (path, chunks) keywords: the row held in registers, the row read in tiles
+# of `block`, the row split over programs
+PATHS = {"resident": dict(path="resident"), "row": dict(path="row"), "chunked": dict(chunks=2)}
+
 SELECT_CASES = [
-    # (T, C, k, chunks, block): chunks 1 = one program a row; > 1 = the pass kernels
-    (5, 64, 10, 1, 16),
-    (5, 64, 10, 3, 16),
-    (5, 48, 64, 2, 16),  # k > C
-    (5, 40, 40, 1, 16),  # k == C
+    # (T, C, k, path, block)
+    (5, 64, 10, "resident", 16),
+    (5, 64, 10, "row", 16),
+    (5, 64, 10, "chunked", 16),
+    (5, 48, 64, "resident", 16),  # k > C
+    (5, 48, 64, "chunked", 16),
+    (5, 40, 40, "resident", 16),  # k == C
+    (5, 40, 40, "row", 16),
 ]
 
 
-@pytest.mark.parametrize("T,C,k,chunks,block", SELECT_CASES)
-def test_topk_select(T, C, k, chunks, block):
+@pytest.mark.parametrize("T,C,k,path,block", SELECT_CASES)
+def test_topk_select(T, C, k, path, block):
     scores = _tricky_scores(_gen("select", T, C, k), T, C)
     ref = select_mod.topk_select_reference(scores.to(DEVICE), k).cpu()
-    tri = select_mod.topk_select_triton(scores.to(DEVICE), k, chunks=chunks, block=block).cpu()
+    tri = select_mod.topk_select_triton(scores.to(DEVICE), k, block=block, **PATHS[path]).cpu()
     assert ref.dtype == tri.dtype == torch.int32 and ref.shape == (T, k)
     _check_against_topk(scores, ref, k)
     assert torch.equal(tri, ref), "the kernel and the reference break ties alike (lowest position first)"
@@ -262,26 +270,26 @@ def test_topk_select_tie_rule():
                            [-INF] * 8])  # fmt: skip
     want = torch.tensor([[1, 2, 4, 6], [2, 3, 4, 7], [-1, -1, -1, -1]], dtype=torch.int32)
     want5 = torch.tensor([0, 2, 3, 4, 7], dtype=torch.int32)  # k = 5 adds the first of the zeros
-    for chunks in (1, 2):
-        got = select_mod.topk_select_triton(scores.to(DEVICE), 4, chunks=chunks, block=16).cpu()
-        assert torch.equal(got, want), chunks
-        got5 = select_mod.topk_select_triton(scores.to(DEVICE), 5, chunks=chunks, block=16).cpu()
-        assert torch.equal(got5[1], want5), chunks
+    for path, kw in PATHS.items():
+        got = select_mod.topk_select_triton(scores.to(DEVICE), 4, block=16, **kw).cpu()
+        assert torch.equal(got, want), path
+        got5 = select_mod.topk_select_triton(scores.to(DEVICE), 5, block=16, **kw).cpu()
+        assert torch.equal(got5[1], want5), path
     assert torch.equal(select_mod.topk_select_reference(scores, 4), want)
     assert torch.equal(select_mod.topk_select_reference(scores, 5)[1], want5)
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_topk_select_slots(chunks):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_topk_select_slots(path):
     """Through the page table: global slots, -1 for a negative page, all -1 for a row without a
     request; rows of several requests."""
-    gen = _gen("select-slots", chunks)
+    gen = _gen("select-slots", path)
     page_table, req_ids, _, page = _paged_step(gen)
     T, C = req_ids.shape[0], page_table.shape[1] * page
     scores = torch.randn((T, C), generator=gen)
     scores[1, 9] = 5.0  # a finite score at a candidate whose page is -1 (request 1, page 2)
     ref = select_mod.topk_select_reference(*_dev(scores, 7, page_table, req_ids), page).cpu()
-    tri = select_mod.topk_select_triton(*_dev(scores, 7, page_table, req_ids), page, chunks=chunks, block=16).cpu()
+    tri = select_mod.topk_select_triton(*_dev(scores, 7, page_table, req_ids), page, block=16, **PATHS[path]).cpu()
     assert torch.equal(tri, ref)
     pos = select_mod.topk_select_reference(scores, 7)
     cand = scores_mod.candidate_slots(page_table, req_ids, page)
@@ -306,9 +314,9 @@ def test_request_ids_past_the_table_read_nothing():
     scores = scores_mod.index_scores_triton(*args, page).cpu()
     assert torch.isneginf(scores[0]).all() and torch.isfinite(scores[1, :2]).all()
     scores[0] = torch.randn(scores.shape[1], generator=gen)  # finite scores for the row: still nothing
-    for chunks in (1, 2):
-        topk = select_mod.topk_select_triton(*_dev(scores, 5, page_table, req_ids), page, chunks=chunks, block=16).cpu()
-        assert (topk[0] == -1).all() and (topk[1] >= 0).any(), chunks
+    for path, kw in PATHS.items():
+        topk = select_mod.topk_select_triton(*_dev(scores, 5, page_table, req_ids), page, block=16, **kw).cpu()
+        assert (topk[0] == -1).all() and (topk[1] >= 0).any(), path
 
 
 @pytest.mark.parametrize("T,C,k", [(0, 8, 4), (3, 8, 0), (3, 0, 4)])
@@ -345,11 +353,11 @@ REMAP_CASES = [(1, 1), (2, 1), (3, 2)]
 
 
 @pytest.mark.parametrize("N,I", REMAP_CASES)
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_topk_select_remap(N, I, chunks):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_topk_select_remap(N, I, path):
     """Fused == topk_select then topk_remap, exactly, on every rank; the chunked form with ties at
     the threshold spread over several chunks (the partly selected chunk is scanned again)."""
-    gen = _gen("remap", N, I, chunks)
+    gen = _gen("remap", N, I, path)
     page_table, req_ids, _, page = _paged_step(gen)
     T, C = req_ids.shape[0], page_table.shape[1] * page
     scores = torch.randint(0, 3, (T, C), generator=gen).float()  # ties at the threshold everywhere
@@ -358,9 +366,10 @@ def test_topk_select_remap(N, I, chunks):
     k = 9
     args = _dev(scores, k)
     pt_args = _dev(page_table, req_ids)
-    topk = select_mod.topk_select_triton(*args, *pt_args, page, chunks=chunks, block=8)
+    kw = dict(chunks=3) if path == "chunked" else PATHS[path]  # chunked: 8 candidates a chunk
+    topk = select_mod.topk_select_triton(*args, *pt_args, page, block=8, **kw)
     assert torch.equal(topk.cpu(), select_mod.topk_select_reference(*args, *pt_args, page).cpu())
-    if chunks > 1:  # rows whose ties at the threshold straddle chunks (8 candidates a chunk)
+    if path == "chunked":  # rows whose ties at the threshold straddle chunks (8 candidates a chunk)
         straddle = 0
         for t in range(T):
             kth = scores[t].sort(descending=True).values[k - 1]
@@ -370,7 +379,7 @@ def test_topk_select_remap(N, I, chunks):
     total = torch.zeros(T, dtype=torch.int64)
     for r in range(N):
         want_local, want_count = remap_mod.topk_remap_reference(topk, N, r, I)
-        local, count = select_mod.topk_select_remap_triton(*args, N, r, I, *pt_args, page, chunks=chunks, block=8)
+        local, count = select_mod.topk_select_remap_triton(*args, N, r, I, *pt_args, page, block=8, **kw)
         assert torch.equal(local.cpu(), want_local.cpu()) and torch.equal(count.cpu(), want_count.cpu()), r
         ref_local, ref_count = select_mod.topk_select_remap_reference(*args, N, r, I, *pt_args, page)
         assert torch.equal(ref_local.cpu(), want_local.cpu()) and torch.equal(ref_count.cpu(), want_count.cpu()), r
@@ -382,11 +391,84 @@ def test_topk_select_remap_positions():
     """Without a page table the candidate positions are the slots."""
     scores = _tricky_scores(_gen("remap-positions"), 5, 40)
     topk = select_mod.topk_select_reference(scores, 12)
-    for chunks in (1, 2):
+    for path, kw in PATHS.items():
         for r in (0, 2):
-            local, count = select_mod.topk_select_remap_triton(scores.to(DEVICE), 12, 3, r, chunks=chunks, block=16)
+            local, count = select_mod.topk_select_remap_triton(scores.to(DEVICE), 12, 3, r, block=16, **kw)
             want = remap_mod.topk_remap_reference(topk, 3, r, 1)
-            assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (chunks, r)
+            assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (path, r)
+
+
+def test_topk_select_resident_random():
+    """The resident path (the whole row in registers) against the references on random rows of few
+    values: ties at the k-th value, NaN, +-inf, -0.0/+0.0, rows with fewer valid candidates than k,
+    k > C; as positions and through a page table (negative pages, a row without a request), and
+    fused with the remap on every rank (local rows and counts)."""
+    gen = _gen("resident")
+    page_table, req_ids, _, page = _paged_step(gen, T=6)
+    T, C = req_ids.shape[0], page_table.shape[1] * page
+    vals = torch.tensor([-INF, -1.0, -0.0, 0.0, 0.5, 0.5, 2.0, INF, NAN])
+    scores = vals[torch.randint(0, len(vals), (T, C), generator=gen)]
+    scores[0] = (torch.randn(C, generator=gen) * 2).round() / 2  # finite, many equal
+    scores[1, C // 3:] = -INF  # fewer valid candidates than k
+    scores[5] = -INF
+    scores[5, [3, C - 1]] = -0.0  # two valid candidates: zeros
+    pt_args = _dev(page_table, req_ids)
+    for k in (7, C + 5):
+        ref = select_mod.topk_select_reference(scores, k)
+        _check_against_topk(scores, ref, k)
+        if k < C:  # row 0 ties at its k-th value: only the lowest positions of that value are taken
+            kth = scores[0].sort(descending=True).values[k - 1]
+            assert int((scores[0] == kth).sum()) > int((scores[0, ref[0].long()] == kth).sum())
+        assert torch.equal(select_mod.topk_select_triton(scores.to(DEVICE), k, path="resident").cpu(), ref), k
+        slots = select_mod.topk_select_reference(*_dev(scores, k), *pt_args, page).cpu()
+        got = select_mod.topk_select_triton(*_dev(scores, k), *pt_args, page, path="resident").cpu()
+        assert torch.equal(got, slots), k
+        for N, I in ((2, 1), (3, 2)):
+            for r in range(N):
+                want = remap_mod.topk_remap_reference(slots, N, r, I)
+                local, count = select_mod.topk_select_remap_triton(*_dev(scores, k), N, r, I, *pt_args, page,
+                                                                   path="resident")  # fmt: skip
+                assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (k, N, r)
+
+
+class _Launches:
+    """Counts the launches of a Triton kernel (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, 0
+
+    def __getitem__(self, grid):
+        self.calls += 1
+        return self.kernel[grid]
+
+
+def test_topk_select_paths_and_keywords(monkeypatch):
+    """One program a row runs the resident kernel up to RESIDENT_MAX candidates, the tiled row
+    kernel above; ``chunks`` > 1 forces the chunked passes, ``path`` any path; bad keywords raise."""
+    monkeypatch.setattr(select_mod, "RESIDENT_MAX", 32)
+    spies = {name: _Launches(getattr(select_mod, name)) for name in ("_topk_resident_kernel", "_topk_write_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(select_mod, name, spy)
+    cases = [(32, dict(), "resident"), (40, dict(), "row"), (40, dict(chunks=1), "row"),
+             (32, dict(chunks=2), "chunked"), (40, dict(path="resident", num_warps=4), "resident"),
+             (32, dict(path="row"), "row"), (32, dict(path="chunked"), "chunked")]  # fmt: skip
+    for C, kw, want in cases:
+        s = torch.randn(2, C, generator=_gen("paths", C), device="cpu").to(DEVICE)
+        before = {name: spy.calls for name, spy in spies.items()}
+        got = select_mod.topk_select_triton(s, 6, block=8, **kw)
+        assert torch.equal(got, select_mod.topk_select_reference(s, 6)), kw
+        ran = {name for name, spy in spies.items() if spy.calls > before[name]}
+        assert ran == {"resident": {"_topk_resident_kernel"}, "row": set(), "chunked": {"_topk_write_kernel"}}[want], kw
+    s = torch.randn(2, 40, device=DEVICE)
+    with pytest.raises(ValueError, match="path must be"):
+        select_mod.topk_select_triton(s, 6, path="tiles")
+    with pytest.raises(ValueError, match="one program a row"):
+        select_mod.topk_select_triton(s, 6, path="resident", chunks=2)
+    with pytest.raises(ValueError, match="block must be"):
+        select_mod.topk_select_triton(s, 6, block=12)
+    with pytest.raises(ValueError, match="at most"):
+        long_row = torch.zeros(1, select_mod.RESIDENT_LIMIT + 1, device=DEVICE)
+        select_mod.topk_select_triton(long_row, 6, path="resident")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,10 +486,10 @@ VALUES = [-INF, -2.0, -0.5, -0.0, 0.0, 0.5, 1.0, 1.5, INF, NAN]
     T=st.integers(1, 3),
     C=st.integers(1, 40),
     k=st.integers(1, 48),
-    chunks=st.integers(1, 3),
+    path=st.sampled_from(["resident", "row", "chunked"]),
     data=st.data(),
 )
-def test_topk_select_property(T, C, k, chunks, data):
+def test_topk_select_property(T, C, k, path, data):
     kind = data.draw(st.sampled_from(["few values", "random"]))
     if kind == "few values":
         cells = data.draw(st.lists(st.sampled_from(VALUES), min_size=T * C, max_size=T * C))
@@ -417,10 +499,11 @@ def test_topk_select_property(T, C, k, chunks, data):
         scores = torch.randn((T, C), generator=torch.Generator().manual_seed(seed))
     ref = select_mod.topk_select_reference(scores, k)
     _check_against_topk(scores, ref, k)
-    tri = select_mod.topk_select_triton(scores.to(DEVICE), k, chunks=chunks, block=16).cpu()
+    kw = dict(path=path, chunks=data.draw(st.integers(1, 3)) if path == "chunked" else None, block=16)
+    tri = select_mod.topk_select_triton(scores.to(DEVICE), k, **kw).cpu()
     assert torch.equal(tri, ref)
     n, r = data.draw(st.integers(1, 3)), 0
-    local, count = select_mod.topk_select_remap_triton(scores.to(DEVICE), k, n, r, chunks=chunks, block=16)
+    local, count = select_mod.topk_select_remap_triton(scores.to(DEVICE), k, n, r, **kw)
     want = remap_mod.topk_remap_reference(ref, n, r, 1)
     assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1])
 
@@ -480,13 +563,13 @@ def test_indexer_real_size_gpu(key_dtype):
     fin = torch.isfinite(ref)
     rel = ((got.double() - ref.double())[fin].abs().max() / ref[fin].abs().max()).item()
     assert rel < 1e-4, rel
-    for chunks in (None, 1, 16):
-        tri = select_mod.topk_select_triton(got, K, page_table, req_ids, page, chunks=chunks)
-        assert torch.equal(tri, select_mod.topk_select_reference(got, K, page_table, req_ids, page)), chunks
+    for kw in (dict(), dict(chunks=1), dict(chunks=16), dict(path="resident")):  # resident at its limit: 32K
+        tri = select_mod.topk_select_triton(got, K, page_table, req_ids, page, **kw)
+        assert torch.equal(tri, select_mod.topk_select_reference(got, K, page_table, req_ids, page)), kw
         for n in (2, 4):
-            local, count = select_mod.topk_select_remap_triton(got, K, n, 1, 1, page_table, req_ids, page, chunks=chunks)
+            local, count = select_mod.topk_select_remap_triton(got, K, n, 1, 1, page_table, req_ids, page, **kw)
             want = remap_mod.topk_remap_reference(tri, n, 1, 1)
-            assert torch.equal(local, want[0]) and torch.equal(count, want[1]), (chunks, n)
+            assert torch.equal(local, want[0]) and torch.equal(count, want[1]), (kw, n)
     _check_against_topk(got[:4].cpu(), select_mod.topk_select_triton(got[:4], K).cpu(), K)
 
 
@@ -498,8 +581,10 @@ def test_topk_select_shapes_gpu(B, C):
     scores[:, -7:] = -INF
     for k in (512, 1024, 2048):
         ref = select_mod.topk_select_reference(scores, k)
-        for chunks in (None, 1, 4):
-            assert torch.equal(select_mod.topk_select_triton(scores, k, chunks=chunks), ref), (k, chunks)
+        paths = [dict(), dict(chunks=4), dict(path="row")]
+        paths += [dict(path="resident")] if C <= select_mod.RESIDENT_LIMIT else []
+        for kw in paths:
+            assert torch.equal(select_mod.topk_select_triton(scores, k, **kw), ref), (k, kw)
 
 
 # ---------------------------------------------------------------------------------------------

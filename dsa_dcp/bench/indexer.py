@@ -17,8 +17,10 @@ before it is timed. Parts (``--only``):
   scales), Hi in {32, 64}, Di = 128, page size 64, K = 2048. Ours is also timed in its two parts.
   Where one call's keys fit twice in L2, the graph rotates over disjoint page tables so every
   call reads keys from HBM.
-- ``topk``: ``topk_select_triton`` alone (the default grid, one program a row, and the chunked
-  passes) against ``torch.topk`` on the same fp32 scores ``[B, C]`` (randn), K = 2048.
+- ``topk``: ``topk_select_triton`` alone (its default, and each path forced: ``resident``, one
+  program a row holding the row in registers, timed up to ``RESIDENT_LIMIT`` = 32K candidates;
+  ``row``, one program a row reading the row in tiles; ``split``, the chunked passes) against
+  ``torch.topk`` on the same fp32 scores ``[B, C]`` (randn), K = 2048.
 - ``remap``: the fused top-k + remap (N = 2, rank 0) against the top-k alone and against the
   top-k followed by ``topk_remap_triton``.
 - ``tiles`` (only when asked for): ``index_scores`` at B = 32, 32K for every tile candidate
@@ -215,15 +217,19 @@ def _split_chunks(b: int, ctx: int) -> int:
 
 def bench_topk(batches, contexts, out: list) -> None:
     from dsa_dcp.kernels import topk_select_reference, topk_select_triton
+    from dsa_dcp.kernels.topk_select import RESIDENT_LIMIT
 
     for b, ctx in itertools.product(batches, contexts):
         scores, pt, req = _topk_inputs(b, ctx)
         ref = topk_select_reference(scores, K, pt, req, PAGE)
         split = _split_chunks(b, ctx)
         row = {"part": "topk", "B": b, "ctx": ctx, "K": K, "bytes": b * ctx * 4 + b * K * 4, "split_chunks": split}
-        for name, chunks in (("ours", None), ("row", 1), ("split", split)):
-            assert torch.equal(topk_select_triton(scores, K, pt, req, PAGE, chunks=chunks), ref), (name, b, ctx)
-            row[f"{name}_us"] = in_graph_us([lambda c=chunks: topk_select_triton(scores, K, pt, req, PAGE, chunks=c)]
+        paths = {"ours": {}, "resident": {"path": "resident"}, "row": {"path": "row"}, "split": {"chunks": split}}
+        for name, kw in paths.items():
+            if name == "resident" and ctx > RESIDENT_LIMIT:
+                continue
+            assert torch.equal(topk_select_triton(scores, K, pt, req, PAGE, **kw), ref), (name, b, ctx)
+            row[f"{name}_us"] = in_graph_us([lambda kw=kw: topk_select_triton(scores, K, pt, req, PAGE, **kw)]
                                             * GRAPH_CALLS, REP)  # fmt: skip
         row["torch_us"] = in_graph_us([lambda: torch.topk(scores, K, dim=-1)] * GRAPH_CALLS, REP)
         row["ours_GBps"] = row["bytes"] / row["ours_us"] / 1e3
@@ -279,7 +285,8 @@ def bench_score_tiles(keys, heads, out: list, b: int = 32, ctx: int = 32768) -> 
 COLUMNS = {
     "indexer": ["keys", "Hi", "B", "ctx", "ours_us", "scores_us", "topk_us", "floor_us", "ours_over_floor",
                 "ours_GBps", "torch_us", "inductor_us", "torch_over_ours", "inductor_over_ours"],
-    "topk": ["B", "ctx", "ours_us", "row_us", "split_us", "split_chunks", "torch_us", "torch_over_ours", "ours_GBps"],
+    "topk": ["B", "ctx", "ours_us", "resident_us", "row_us", "split_us", "split_chunks", "torch_us", "torch_over_ours",
+             "ours_GBps"],
     "remap": ["B", "ctx", "N", "topk_us", "fused_us", "composed_us", "fused_over_topk"],
     "tiles": ["keys", "Hi", "B", "ctx", "tiles", "us", "key_GBps"],
 }  # fmt: skip

@@ -53,6 +53,15 @@ from .index_scores import candidate_slots
 from .topk_remap import _owned, topk_remap_reference
 
 RADIX = 256  # 8-bit digits: four passes over a 32-bit key
+# The resident path (one program holds its whole row in registers) is the default for one program
+# a row up to RESIDENT_MAX candidates: at 16K, 16 warps hold 32 keys a thread, which should leave
+# room for the write's temporaries (int64 slots) within the 128 registers a thread of a 512-thread
+# program may have (an estimate: not measured). Longer rows take the tiled row kernel (or the
+# chunked passes). ``path="resident"`` runs it up to RESIDENT_LIMIT (where its packed 16-bit
+# counts end), to measure whether the bound should move.
+RESIDENT_MAX = 16384
+RESIDENT_LIMIT = 32768
+PATHS = ("resident", "row", "chunked")
 
 _SELECT = "topk_select"
 
@@ -132,6 +141,10 @@ def topk_select_remap_reference(
 # A pass stops the search early when the whole bin is needed (unless the bin could hold -inf
 # keys, whose key is 0). The selection is then: every key whose top bits are above the prefix,
 # plus, among those equal to it, the first `need` in position order.
+#
+# (Wider digits would save passes, e.g. 11 + 11 + 10 bits, but tl.histogram's cost grows with its
+# bins: per 32 keys a ballot per bit of the bin and a popcount per bin a lane owns, 8 bins a lane
+# at 256 bins and 64 at 2048.)
 
 
 @triton.jit
@@ -293,6 +306,61 @@ def _topk_row_kernel(
 
 
 @triton.jit
+def _topk_resident_kernel(
+    scores_ptr, out_ptr, count_ptr, pt_ptr, req_ptr, C, K, R, RANK, stride_s, stride_pt, stride_o,
+    PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
+):
+    """Grid (T,): one program selects a whole row held in registers (BLOCK >= C).
+
+    The row is read once and its keys computed once; each radix pass is one histogram of the
+    register tensor (stopping as the other paths do), and one scan of packed counts (keys above
+    the threshold in the high 16 bits, equal to it in the low 16) gives every selected key its
+    output column: the keys above it before it, plus its rank among the equal ones. Out-of-range
+    lanes (and every lane of a row without a request) load ``-inf``: key 0, which no pass
+    selects, so only the load is masked."""
+    t = tl.program_id(0).to(tl.int64)
+    page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
+    need = _row_need(req_ptr, t, C, K, R, HAS_PT)
+    offs = tl.arange(0, BLOCK)
+    inr = tl.where(need > 0, offs < C, False)
+    key = _ordered_key(tl.load(scores_ptr + t * stride_s + offs, mask=inr, other=float("-inf")).to(tl.float32))
+    prefix = tl.cast(0, tl.uint32)
+    level = tl.cast(0, tl.int32)
+    done = need == 0
+    for d in tl.static_range(4):
+        if not done:
+            digit = ((key >> (24 - 8 * d)) & 0xFF).to(tl.int32)
+            if d == 0:
+                hist = tl.histogram(digit, 256)
+            else:
+                hist = tl.histogram(digit, 256, mask=(key >> (32 - 8 * d)) == prefix)
+            prefix, need, done = _advance(hist, prefix, need, d)
+            level = tl.cast(d, tl.int32)
+    need = tl.where((level == 3) & (prefix == 0), 0, need)  # the bin of -inf: none of it
+    top = key >> (24 - 8 * level).to(tl.uint32)
+    gt = (top > prefix).to(tl.uint32)
+    eq = (top == prefix).to(tl.uint32)
+    packed = tl.cumsum((gt << 16) | eq, axis=0)  # inclusive; C <= RESIDENT_LIMIT = 2**15: no carry, no wrap
+    eq_before = (packed & 0xFFFF).to(tl.int32) - eq.to(tl.int32)
+    gt_before = (packed >> 16).to(tl.int32) - gt.to(tl.int32)
+    sel = (gt != 0) | ((eq != 0) & (eq_before < need))
+    slot = _slots_of(offs, sel, page_row, PAGE, HAS_PT)
+    out_row = out_ptr + t * stride_o
+    if REMAP:
+        keep, row = _owned(slot, DCP_SIZE, RANK, INTERLEAVE)
+        keep = keep & sel
+        keep_i = keep.to(tl.int32)
+        tl.store(out_row + tl.cumsum(keep_i, axis=0) - keep_i, row.to(tl.int32), mask=keep)
+        total = tl.sum(keep_i, axis=0)
+    else:
+        tl.store(out_row + gt_before + tl.minimum(eq_before, need), tl.where(slot >= 0, slot, -1).to(tl.int32),
+                 mask=sel)  # fmt: skip
+        total = tl.sum(sel.to(tl.int32), axis=0)
+    _write_tail(out_row, count_ptr + t, total, K, REMAP, TAIL)
+
+
+@triton.jit
 def _load_state(hist_ptr, need, NPASS: tl.constexpr):
     """(prefix, need, level, done) after the first NPASS passes, from the rows' histograms."""
     prefix = tl.cast(0, tl.uint32)
@@ -428,9 +496,24 @@ def _default_chunks(T: int, C: int, device: torch.device) -> int:
     return max(1, min(cdiv(2 * sm_count(device), T), C // 1024))
 
 
-def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=None, block=None, num_warps=None):
+def _resident_warps(block: int) -> int:
+    """Warps of the resident kernel: 4 up to 2048 candidates, 8 up to 8192, 16 above (16 to 32
+    keys a thread at the top of each range)."""
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=None, block=None, num_warps=None,
+                   path=None):  # fmt: skip
     """Shared launcher of topk_select_triton and topk_select_remap_triton; returns (out, count)."""
+    if path is not None and path not in PATHS:
+        raise ValueError(f"topk_select: path must be one of {PATHS} or None, got {path!r}")
+    if path in ("resident", "row") and chunks not in (None, 1):
+        raise ValueError(f"topk_select: path={path!r} runs one program a row, got chunks={chunks}")
+    if block is not None and (block < 8 or block & (block - 1)):
+        raise ValueError(f"topk_select: block must be a power of two >= 8, got {block}")
     T, C = scores.shape
+    if path == "resident" and C > RESIDENT_LIMIT:
+        raise ValueError(f"topk_select: path='resident' holds at most {RESIDENT_LIMIT} candidates a row, got {C}")
     device = scores.device
     out = torch.empty((T, k), dtype=torch.int32, device=device)
     count = torch.zeros((T,), dtype=torch.int32, device=device)
@@ -446,20 +529,28 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
     req = req_ids.contiguous() if has_pt else count
     stride_pt = pt.stride(0) if has_pt else 0
     rows = page_table.shape[0] if has_pt else 1
-    ns = chunks or _default_chunks(T, C, device)
-    interpreted = is_interpreted(_topk_row_kernel)
-    blk = block or (32 if interpreted else (2048 if ns == 1 else 1024))
-    if blk < 8 or blk & (blk - 1):
-        raise ValueError(f"topk_select: block must be a power of two >= 8, got {blk}")
-    warps = num_warps or (8 if ns == 1 else 4)
+    ns = 1 if path in ("resident", "row") else chunks or _default_chunks(T, C, device)
+    if path is None:
+        path = "chunked" if ns > 1 else "resident" if C <= RESIDENT_MAX else "row"
     common = dict(PAGE=page_size, HAS_PT=has_pt, REMAP=remap is not None, DCP_SIZE=dcp_size,
-                  INTERLEAVE=interleave, BLOCK=blk)  # fmt: skip
-    if ns == 1:
-        _topk_row_kernel[(T,)](
+                  INTERLEAVE=interleave)  # fmt: skip
+    if path == "resident":
+        res = max(next_pow2(C), 16)
+        _topk_resident_kernel[(T,)](
             scores, out, count, pt, req, C, k, rows, rank, scores.stride(0), stride_pt, out.stride(0),
-            **common, num_warps=warps,
+            **common, BLOCK=res, TAIL=max(res, min(next_pow2(k), 2048)), num_warps=num_warps or _resident_warps(res),
         )  # fmt: skip
         return out, count
+    interpreted = is_interpreted(_topk_row_kernel)
+    blk = block or (32 if interpreted else (2048 if path == "row" else 1024))
+    common["BLOCK"] = blk
+    if path == "row":
+        _topk_row_kernel[(T,)](
+            scores, out, count, pt, req, C, k, rows, rank, scores.stride(0), stride_pt, out.stride(0),
+            **common, num_warps=num_warps or 8,
+        )  # fmt: skip
+        return out, count
+    warps = num_warps or 4
     chunk = cdiv(cdiv(C, ns), blk) * blk  # whole tiles a chunk
     ns = cdiv(C, chunk)
     hist = torch.zeros((T, 4, RADIX), dtype=torch.int32, device=device)
@@ -487,18 +578,32 @@ def topk_select_triton(
     chunks: int | None = None,
     block: int | None = None,
     num_warps: int | None = None,
+    path: str | None = None,
 ) -> torch.Tensor:
     """Triton radix top-k (see module docstring). No host sync, no data-dependent shapes.
 
-    ``chunks`` programs a row: 1 runs the whole selection in one launch, a program a row
-    (grid (T,)); more split each row into that many chunks and run four histogram passes (grid
-    (T, chunks) each, per-row histograms through integer atomics into a zeroed ``[T, 4, 256]``
-    workspace; later passes skip their work when an earlier one settled the threshold) and one
-    write launch. ``block`` candidates are read a tile (a power of two >= 8).
+    Three paths, all selecting the same set:
+
+    - ``"resident"`` (grid (T,)): one program holds its whole row in registers (a tensor of
+      ``next_pow2(C)`` candidates), reads it once, runs the radix passes on it and writes the
+      selection with one scan. The default for one program a row when ``C <= RESIDENT_MAX``.
+    - ``"row"`` (grid (T,)): one program a row that reads the row again in ``block``-candidate
+      tiles for each pass and for the write. The default for one program a row above
+      ``RESIDENT_MAX``.
+    - ``"chunked"``: each row split into ``chunks`` chunks; four histogram passes (grid (T, chunks)
+      each, per-row histograms through integer atomics into a zeroed ``[T, 4, 256]`` workspace;
+      later passes skip their work when an earlier one settled the threshold) and one write launch.
+
+    ``chunks`` programs a row: 1 means one program a row (resident or row by ``C``), more the
+    chunked path; unset, the launcher picks (:func:`_default_chunks`). ``path`` forces a path
+    (``"resident"`` and ``"row"`` take no ``chunks`` > 1; ``"resident"`` at most
+    ``RESIDENT_LIMIT`` candidates a row). ``block`` candidates are read a tile by the row and
+    chunked paths (a power of two >= 8; the resident path ignores it). ``num_warps`` overrides
+    the warps of any path.
     """
     _check_select(scores, k, page_table, req_ids, page_size)
     out, _ = _launch_select(scores, k, page_table, req_ids, page_size, None, chunks=chunks, block=block,
-                            num_warps=num_warps)  # fmt: skip
+                            num_warps=num_warps, path=path)  # fmt: skip
     return out
 
 
@@ -515,10 +620,12 @@ def topk_select_remap_triton(
     chunks: int | None = None,
     block: int | None = None,
     num_warps: int | None = None,
+    path: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton top-k fused with the DCP remap (see module docstring): the launches of
-    :func:`topk_select_triton`, the write keeping only owned slots as local rows. No host sync."""
+    :func:`topk_select_triton` (the same paths and keywords), the write keeping only owned slots
+    as local rows. No host sync."""
     _check_select(scores, k, page_table, req_ids, page_size, "topk_select_remap")
     check_remap_args(dcp_size, rank, interleave, "topk_select_remap")
     return _launch_select(scores, k, page_table, req_ids, page_size, (dcp_size, rank, interleave),
-                          chunks=chunks, block=block, num_warps=num_warps)  # fmt: skip
+                          chunks=chunks, block=block, num_warps=num_warps, path=path)  # fmt: skip
