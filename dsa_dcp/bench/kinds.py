@@ -13,7 +13,8 @@ KERNEL_KINDS = (
     ("remap", ("topk_remap",)),
     ("combine", ("lse_combine",)),
     ("attention", ("sparse_mla",)),
-    ("indexer", ("index_scores", "topk_select", "_topk_row_kernel", "_topk_pass_kernel", "_topk_write_kernel",
+    ("indexer", ("index_scores", "topk_select", "_topk_resident_kernel", "_topk_row_kernel", "_topk_pass_kernel",
+                 "_topk_write_kernel",
                  "gatherTopK", "radixSort", "radixFindKthValues", "computeBlockwiseWithinKCounts",
                  "computeBlockwiseKthCounts")),
 )
