@@ -190,7 +190,7 @@ def grouped(messages: list[str]) -> list[str]:
 
 # --------------------------------------------------------------------------- the group's agreement
 
-_rounds: dict[str, int] = {}
+ROUND_KEY = "dsa_dcp/compile/{group}/rounds/{rank}"
 
 
 def _program_options(ctx: CompileContext) -> dict[str, str]:
@@ -230,11 +230,14 @@ def group_agreement_problems(gm: fx.GraphModule, ctx: CompileContext) -> list[st
     group = _resolve_process_group(ctx.group_name)
     if dist.get_backend(group) == "fake":
         return []
-    round_ = _rounds[ctx.group_name] = _rounds.get(ctx.group_name, 0) + 1
     ranks = dist.get_process_group_ranks(group)
     mine = {"host": socket.gethostname(), "options": _program_options(ctx),
             "sparse_attention_nodes": len(sparse_attention_nodes(gm.graph))}
     store = _get_default_store()
+    # This rank's compilations of the group, counted in the store: a new default process group (a
+    # new store) starts the count again, so a process that outlives one group (ranks kept between
+    # runs, a server that re-initializes) never waits on a round its peers count differently.
+    round_ = store.add(ROUND_KEY.format(group=ctx.group_name, rank=dist.get_rank()), 1)
     keys = [AGREEMENT_KEY.format(group=ctx.group_name, round=round_, rank=r) for r in ranks]
     store.set(keys[ranks.index(dist.get_rank())], json.dumps(mine))
     wait = group_timeout(group)
