@@ -25,15 +25,18 @@ def _setup(family, layers=None, steps=STEPS):
 
 
 def _dcp_rank(rank, world, family, merges, interleave, lowering="fx", layers=None, steps=STEPS):
-    import dsa_dcp
+    from one_trace import OneTrace, zero_caches
 
     cfg, batch = _setup(family, layers, steps)
     results = {}
+    torch._dynamo.reset()
+    model = DSAModel(cfg, batch.num_slots, dcp_size=world, interleave=interleave, seed=11)
+    backend = OneTrace({merge: {"dcp_size": world, "merge": merge, "interleave": interleave, "lowering": lowering}
+                        for merge in merges})  # the model traced once, compiled once a merge mode
+    step = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     for merge in merges:
-        torch._dynamo.reset()
-        model = DSAModel(cfg, batch.num_slots, dcp_size=world, interleave=interleave, seed=11)
-        options = {"dcp_size": world, "merge": merge, "interleave": interleave, "lowering": lowering}
-        step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
+        backend.select(merge)
+        zero_caches(model)
         try:
             with torch.no_grad():
                 out = generate(step, batch, steps, pad_to=ROWS)
@@ -44,7 +47,8 @@ def _dcp_rank(rank, world, family, merges, interleave, lowering="fx", layers=Non
             "tokens": out.tokens,
             "logits": out.step_logits,
             "caches": [c.clone() for c in model.kv_caches()],
-            "summary": dsa_dcp.backend_report().summary,
+            "summary": backend.reports[merge].summary,
+            "traces": backend.traces,
         }
     return results
 
@@ -109,6 +113,7 @@ def _check_against_single_rank(family, world, merges, interleave, lowering, laye
             assert len(got["logits"]) == len(ref.step_logits)
             for a, b in zip(got["logits"], ref.step_logits):
                 assert _relative_error(a, b) < 1e-5, (merge, rank)
+            assert got["traces"] == 1, (merge, rank)  # traced once, compiled once a merge mode
             s = got["summary"]
             assert s["sparse_attention_nodes"] == cfg.n_layers
             assert s["remaps"] == len(cfg.indexer_layers)  # one per top-k: share_remaps is on by default

@@ -321,15 +321,19 @@ def _on_off_rank(rank, world):
 
     cfg = get_config("glm5.2-tiny", n_layers=8)
     batch = standard_test_batch(cfg, max_new_tokens=STEPS, seed=7)
+    from one_trace import OneTrace, zero_caches
+
     results = {}
+    torch._dynamo.reset()
+    model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=11)
+    backend = OneTrace({share: {"dcp_size": world, "share_remaps": share, "lowering": "fx"} for share in (True, False)})
+    step = torch.compile(model, backend=backend, fullgraph=True)  # traced once, compiled with sharing on and off
     for share in (True, False):
-        torch._dynamo.reset()
-        model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=11)
-        options = {"dcp_size": world, "share_remaps": share, "lowering": "fx"}
-        step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True)
+        backend.select(share)
+        zero_caches(model)
         with torch.no_grad():
             out = generate(step, batch, STEPS, pad_to=ROWS)
-        results[share] = {"tokens": out.tokens, "logits": out.step_logits, "summary": dsa_dcp.backend_report().summary}
+        results[share] = {"tokens": out.tokens, "logits": out.step_logits, "summary": backend.reports[share].summary}
 
     # a top-k edited in place between layers: the refusal keeps the result right
     q, q_pe, _, topk = _inputs(3, world)

@@ -90,19 +90,35 @@ def _generate(model_name: str, dcp_size: int, options: dict | None):
 
 
 def _rank(rank, world, model_name, merges, lowering="fx"):
-    import dsa_dcp
+    from one_trace import OneTrace
+
     from dsa_dcp.position_cache import local_positions
 
     results = {}
+    torch._dynamo.reset()
+    backend = OneTrace({merge: {"dcp_size": world, "merge": merge} | ({"lowering": lowering} if lowering else {})
+                        for merge in merges})  # the model traced once, compiled once a merge mode
+    if model_name == "plain":
+        model = plain_model(world)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+    else:
+        model = hf_model(*model_name.split(":"))
+        model.compile(backend=backend, fullgraph=True)
     for merge in merges:
-        torch._dynamo.reset()
+        backend.select(merge)
         try:
-            options = {"dcp_size": world, "merge": merge} | ({"lowering": lowering} if lowering else {})
-            tokens, logits, caches = _generate(model_name, world, options)
+            if model_name == "plain":
+                with torch.no_grad():
+                    for layer in model.layers:
+                        layer.attn.kv_cache.zero_()
+                        layer.attn.pe_cache.zero_()
+                tokens, logits, caches = plain_generate(model, compiled)
+            else:
+                tokens, logits, caches = hf_generate(model, world)
         except Exception as e:  # noqa: BLE001 - the parent asserts
             results[merge] = {"error": f"{type(e).__name__}: {e}"}
             continue
-        report = dsa_dcp.backend_report()
+        report = backend.reports[merge]
         results[merge] = {"tokens": tokens, "logits": logits, "summary": report.summary,
                           "fallbacks": report.stats()["dcp_rewrite"]["layers_merged_with_ag"],
                           "caches": [[local_positions(t).clone() for t in pair] for pair in caches],
