@@ -14,17 +14,18 @@ if not _cuda:
 import pytest  # noqa: E402
 
 
-# On 2 or more cores the suite runs on worker processes (pytest-xdist, in the `test` extra), one
-# test file per worker at a time, a worker a core up to 4 (the multi-rank tests start processes of
-# their own; on 2 cores two workers took 1,213 s where the serial run took 1,601 to 1,752 s). Not on
-# a CUDA machine (the GPU tests share one GPU). `-n 0` (or DSA_DCP_TEST_WORKERS=0) runs it in this
+# On 4 or more cores the suite runs on worker processes (pytest-xdist, in the `test` extra), one
+# test file per worker at a time, a worker per two cores up to 4 (the multi-rank tests start
+# processes of their own). On 2 cores two workers bought nothing measurable: 1,547 s against
+# 1,601 s serially on the same machine (and 1,213 s once), with 20% more CPU time. Not on a CUDA
+# machine (the GPU tests share one GPU). `-n 0` (or DSA_DCP_TEST_WORKERS=0) runs it in this
 # process, `-n N` or DSA_DCP_TEST_WORKERS=N on N workers.
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     if not hasattr(config.option, "numprocesses") or config.option.numprocesses is not None or _cuda \
             or "PYTEST_XDIST_WORKER" in os.environ:  # a worker runs its tests itself
         return
-    workers = int(os.environ.get("DSA_DCP_TEST_WORKERS", min(4, os.cpu_count() or 1)))
+    workers = int(os.environ.get("DSA_DCP_TEST_WORKERS", min(4, (os.cpu_count() or 1) // 2)))
     if workers > 1 and config.option.dist == "no" and not config.getoption("usepdb", False):
         config.option.numprocesses, config.option.dist = workers, "loadfile"
 
