@@ -4,12 +4,15 @@ group of its TP group, on 4 gloo ranks, fp32, against the unsharded single-rank 
 Layouts (``dsa_dcp.topology.tp_dcp_groups``): TP 4 + DCP 2 (two DCP groups side by side), TP 4 +
 DCP 4, TP 2 + DCP 2 twice side by side (each TP group serving its own requests). Every merge mode
 runs for each family over the layouts, and each merge mode and each layout with both ``replicate_q``
-settings (a covering set of cases, not every product: compiles are the slow part); each rank's
+settings (a covering set of cases, not every product: compiles are the slow part;
+``DSA_DCP_FULL_MATRIX=1`` runs every product); each rank's
 greedy tokens and logits equal the single-rank model's, every layer is rewritten as a TP layer, and
 each rank holds 1/N of the KV rows TP alone holds. With ``replicate_q`` no layer all-gathers its
 query and each rank holds the other DCP ranks' query weights (``replicated_query_bytes``); without
 it, one query all-gather a layer. The refusals are ``tests/test_tp_dcp_refusals.py``.
 """
+
+import os
 
 import pytest
 import torch
@@ -29,6 +32,11 @@ CASES = {
     "glm5.2-tiny": {(4, 2): (("a2a", True),), (4, 4): (("ag", False), ("fused_a2a", True)),
                     (2, 2): (("a2a", False), ("ag_rs", True))},
 }
+
+if os.environ.get("DSA_DCP_FULL_MATRIX"):  # every layout x merge x replicate_q, for a run by hand
+    CASES = {family: {layout: tuple((merge, rq) for merge in ("ag", "a2a", "ag_rs", "fused_a2a")
+                                    for rq in (True, False)) for layout in ((4, 2), (4, 4), (2, 2))}
+             for family in CASES}
 
 
 def _setup(family: str, seed: int):
@@ -124,6 +132,9 @@ def _query_weight_bytes(family: str, tp: int) -> int:
 # TP MLP, layer 1 the expert-parallel MoE. (tp, dcp, mlp, merge, replicate_q)
 PLAIN_CASES = [(4, 2, "moe", "a2a", True), (4, 2, "dense", "ag", False), (4, 4, "moe", "ag_rs", False),
                (4, 4, "dense", "fused_a2a", True)]
+if os.environ.get("DSA_DCP_FULL_MATRIX"):
+    PLAIN_CASES = [(4, dcp, mlp, merge, rq) for dcp in (2, 4) for mlp in ("dense", "moe")
+                   for merge in ("ag", "a2a", "ag_rs", "fused_a2a") for rq in (True, False)]
 PLAIN_MOE = dict(n_routed_experts=8, n_activated_experts=2, n_shared_experts=1, moe_inter_dim=16)
 PLAIN_PROMPTS, PLAIN_NEW_TOKENS, PLAIN_MAX_LEN = [3, 5, 7], 3, 12
 
@@ -141,24 +152,36 @@ def _plain_generate(model):
 
 
 def _plain_rank(rank, world):
-    import dsa_dcp
+    from one_trace import OneTrace
+
     from dsa_dcp.models.plain import Transformer, init_weights, load_unsharded
     from dsa_dcp.position_cache import local_positions, shard_position_caches
     from dsa_dcp.topology import tp_dcp_groups
 
     results = {}
+    models = {}  # (tp, dcp, mlp) -> its cases: one trace a model, compiled once a case
     for tp, dcp, mlp, merge, replicate_q in PLAIN_CASES:
+        models.setdefault((tp, dcp, mlp), []).append((merge, replicate_q))
+    for (tp, dcp, mlp), cases in models.items():
         groups = tp_dcp_groups(tp, dcp)
         full = init_weights(Transformer(_plain_args(mlp)), seed=0).state_dict()
         model = load_unsharded(Transformer(_plain_args(mlp, tensor_parallel=True)), full).eval()
         shard_position_caches(model, ("kv_cache", "pe_cache"), dcp_size=dcp)
         torch._dynamo.reset()
-        options = {"dcp_size": dcp, "merge": merge, "lowering": "fx", "group": groups.dcp, "replicate_q": replicate_q}
-        tokens, logits = _plain_generate(torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True))
-        results[tp, dcp, mlp, merge, replicate_q] = {
-            "tokens": tokens, "logits": logits, "world_size": model.world_size,
-            "kv_positions": [local_positions(layer.attn.kv_cache).shape[1] for layer in model.layers],
-            "stats": dsa_dcp.backend_report().stats()["dcp_rewrite"]}
+        backend = OneTrace({(merge, rq): {"dcp_size": dcp, "merge": merge, "lowering": "fx", "group": groups.dcp,
+                                          "replicate_q": rq} for merge, rq in cases})
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        for merge, replicate_q in cases:
+            backend.select((merge, replicate_q))
+            with torch.no_grad():
+                for layer in model.layers:
+                    layer.attn.kv_cache.zero_()
+                    layer.attn.pe_cache.zero_()
+            tokens, logits = _plain_generate(compiled)
+            results[tp, dcp, mlp, merge, replicate_q] = {
+                "tokens": tokens, "logits": logits, "world_size": model.world_size,
+                "kv_positions": [local_positions(layer.attn.kv_cache).shape[1] for layer in model.layers],
+                "stats": backend.reports[merge, replicate_q].stats()["dcp_rewrite"]}
     return results
 
 
