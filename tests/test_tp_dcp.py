@@ -77,7 +77,8 @@ def _tp_dcp_rank(rank, world, family):
             results[tp, dcp, merge, replicate_q] = {
                 "tokens": out.tokens, "logits": out.step_logits, "kv_rows": [c.shape[0] for c in model.kv_caches()],
                 "stats": backend.reports[merge, replicate_q].stats()["dcp_rewrite"], "traces": backend.traces}
-            if merge == "a2a":  # what the inspection tool reports of it (a2a all-gathers nothing itself)
+            if merge == "a2a" and (merge, replicate_q) == order[-1]:  # what the inspection tool reports of
+                # the latest compilation (a2a all-gathers nothing itself)
                 summary = dsa_dcp.inspect(step).summary()
                 results[tp, dcp, merge, replicate_q]["inspected"] = (
                     summary["weights"]["replicated_query_bytes"], sorted(summary["collectives"]["by_op"]))
