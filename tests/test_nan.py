@@ -116,17 +116,22 @@ def _dcp_rank(rank, world, merges):
     cfg, batch = _setup()
     slot = torch.tensor([_poison_slot(batch)])
     mine, row = int(owner(slot, world, 1)) == rank, int(local_row(slot, world, 1))
+    from one_trace import OneTrace, zero_caches
+
     results = {}
+    torch._dynamo.reset()
+    model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=11)
+
+    @torch.no_grad()
+    def poison():
+        if mine:  # the one rank that stores the slot
+            model.kv_caches()[POISON_LAYER][row, POISON_COLUMN] = math.nan
+
+    backend = OneTrace({mode: {"dcp_size": world, "merge": mode} for mode in merges})  # one trace, a compile a mode
+    step = torch.compile(model, backend=backend, fullgraph=True)
     for mode in merges:
-        torch._dynamo.reset()
-        model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=11)
-
-        @torch.no_grad()
-        def poison():
-            if mine:  # the one rank that stores the slot
-                model.kv_caches()[POISON_LAYER][row, POISON_COLUMN] = math.nan
-
-        step = torch.compile(model, backend="dsa_dcp", options={"dcp_size": world, "merge": mode}, fullgraph=True)
+        backend.select(mode)
+        zero_caches(model)
         with torch.no_grad():
             results[mode] = generate(_poisoned(step, poison), batch, STEPS, pad_to=ROWS).step_logits
     return results
