@@ -11,7 +11,7 @@ with the same example inputs. A refusal is kept and raised when its set is selec
 
 Every rank compiles the option sets in the same order, so the compile-time agreement rounds match
 across the group. The model's caches are the same tensors for every set: a test that reads them
-after a run zeroes them before the next (``zero_caches``).
+after a run zeroes them before the next (``DSAModel.reset_caches``, ``zero_position_caches``).
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ class OneTrace:
         return run
 
 
-def zero_caches(model: torch.nn.Module) -> None:
-    """Zero a ``DSAModel``'s KV and index caches (between option sets that share them)."""
+def zero_position_caches(model: torch.nn.Module) -> None:
+    """Zero the plain model's position caches (``models/plain.py``; ``DSAModel`` has
+    ``reset_caches``), between option sets that share them."""
     with torch.no_grad():
-        for cache in [*model.kv_caches(), *model.index_caches().values()]:
-            cache.zero_()
+        for layer in model.layers:
+            layer.attn.kv_cache.zero_()
+            layer.attn.pe_cache.zero_()

@@ -25,7 +25,7 @@ def _setup(family, layers=None, steps=STEPS):
 
 
 def _dcp_rank(rank, world, family, merges, interleave, lowering="fx", layers=None, steps=STEPS):
-    from one_trace import OneTrace, zero_caches
+    from one_trace import OneTrace
 
     cfg, batch = _setup(family, layers, steps)
     results = {}
@@ -36,7 +36,7 @@ def _dcp_rank(rank, world, family, merges, interleave, lowering="fx", layers=Non
     step = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     for merge in merges:
         backend.select(merge)
-        zero_caches(model)
+        model.reset_caches()
         try:
             with torch.no_grad():
                 out = generate(step, batch, steps, pad_to=ROWS)

@@ -116,7 +116,7 @@ def _dcp_rank(rank, world, merges):
     cfg, batch = _setup()
     slot = torch.tensor([_poison_slot(batch)])
     mine, row = int(owner(slot, world, 1)) == rank, int(local_row(slot, world, 1))
-    from one_trace import OneTrace, zero_caches
+    from one_trace import OneTrace
 
     results = {}
     torch._dynamo.reset()
@@ -131,7 +131,7 @@ def _dcp_rank(rank, world, merges):
     step = torch.compile(model, backend=backend, fullgraph=True)
     for mode in merges:
         backend.select(mode)
-        zero_caches(model)
+        model.reset_caches()
         with torch.no_grad():
             results[mode] = generate(_poisoned(step, poison), batch, STEPS, pad_to=ROWS).step_logits
     return results

@@ -321,7 +321,7 @@ def _on_off_rank(rank, world):
 
     cfg = get_config("glm5.2-tiny", n_layers=8)
     batch = standard_test_batch(cfg, max_new_tokens=STEPS, seed=7)
-    from one_trace import OneTrace, zero_caches
+    from one_trace import OneTrace
 
     results = {}
     torch._dynamo.reset()
@@ -330,7 +330,7 @@ def _on_off_rank(rank, world):
     step = torch.compile(model, backend=backend, fullgraph=True)  # traced once, compiled with sharing on and off
     for share in (True, False):
         backend.select(share)
-        zero_caches(model)
+        model.reset_caches()
         with torch.no_grad():
             out = generate(step, batch, STEPS, pad_to=ROWS)
         results[share] = {"tokens": out.tokens, "logits": out.step_logits, "summary": backend.reports[share].summary}

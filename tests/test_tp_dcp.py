@@ -49,7 +49,7 @@ def _request_seed(tp: int, rank: int) -> int:
 
 
 def _tp_dcp_rank(rank, world, family):
-    from one_trace import OneTrace, zero_caches
+    from one_trace import OneTrace
 
     import dsa_dcp
     from dsa_dcp.topology import tp_dcp_groups
@@ -71,7 +71,7 @@ def _tp_dcp_rank(rank, world, family):
         step = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
         for merge, replicate_q in order:
             backend.select((merge, replicate_q))
-            zero_caches(model)
+            model.reset_caches()
             with torch.no_grad():
                 out = generate(step, batch, STEPS, pad_to=ROWS)
             results[tp, dcp, merge, replicate_q] = {
@@ -153,7 +153,7 @@ def _plain_generate(model):
 
 
 def _plain_rank(rank, world):
-    from one_trace import OneTrace
+    from one_trace import OneTrace, zero_position_caches
 
     from dsa_dcp.models.plain import Transformer, init_weights, load_unsharded
     from dsa_dcp.position_cache import local_positions, shard_position_caches
@@ -174,10 +174,7 @@ def _plain_rank(rank, world):
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         for merge, replicate_q in cases:
             backend.select((merge, replicate_q))
-            with torch.no_grad():
-                for layer in model.layers:
-                    layer.attn.kv_cache.zero_()
-                    layer.attn.pe_cache.zero_()
+            zero_position_caches(model)
             tokens, logits = _plain_generate(compiled)
             results[tp, dcp, mlp, merge, replicate_q] = {
                 "tokens": tokens, "logits": logits, "world_size": model.world_size,

@@ -90,7 +90,7 @@ def _generate(model_name: str, dcp_size: int, options: dict | None):
 
 
 def _rank(rank, world, model_name, merges, lowering="fx"):
-    from one_trace import OneTrace
+    from one_trace import OneTrace, zero_position_caches
 
     from dsa_dcp.position_cache import local_positions
 
@@ -108,10 +108,7 @@ def _rank(rank, world, model_name, merges, lowering="fx"):
         backend.select(merge)
         try:
             if model_name == "plain":
-                with torch.no_grad():
-                    for layer in model.layers:
-                        layer.attn.kv_cache.zero_()
-                        layer.attn.pe_cache.zero_()
+                zero_position_caches(model)
                 tokens, logits, caches = plain_generate(model, compiled)
             else:
                 tokens, logits, caches = hf_generate(model, world)

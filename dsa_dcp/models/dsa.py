@@ -577,11 +577,8 @@ class DSAModel(nn.Module):
 
     @torch.no_grad()
     def reset_caches(self) -> None:
-        for c in self.kv_caches():
-            c.zero_()
-        for c in self.index_caches().values():
-            c.zero_()
-        for attn in self.attention_layers():  # the MTP layer's caches, and FP8 caches' scales
+        """Zero every cache: the target's and the MTP layer's, with the FP8 caches' scales."""
+        for attn in self.attention_layers():
             attn.kv_cache.zero_()
             attn.kv_block_scales.zero_()
             if attn.indexer is not None:

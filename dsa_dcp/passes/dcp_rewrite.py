@@ -31,8 +31,6 @@ from dsa_dcp.kv_cache import kv_layout
 from dsa_dcp.merge import MERGES, MergeSite, MergeStrategy, head_slice
 from dsa_dcp.ops import SPARSE_MLA, TOPK_REMAP
 from dsa_dcp.ops_positions import SPARSE_MLA_POSITIONS
-
-MLA_ATTENTION = (SPARSE_MLA, SPARSE_MLA_POSITIONS)  # one latent KV head: the same on every TP rank
 from dsa_dcp.passes.base import CompileContext, DCPPass, Plan
 from dsa_dcp.passes.errors import where
 from dsa_dcp.passes.fx import Emitter, alias_base, getitem_users, placeholder_values, recorded_layer, refresh_meta
@@ -45,6 +43,7 @@ from dsa_dcp.passes.tensor_parallel import (TPSite, gather_group_query, gather_q
                                             unplaced_collectives)
 
 ALL_GATHER = MERGES["ag"]
+MLA_ATTENTION = (SPARSE_MLA, SPARSE_MLA_POSITIONS)  # one latent KV head: the same on every TP rank
 
 
 @dataclasses.dataclass
