@@ -14,7 +14,8 @@ before it is timed. Parts (``--only``):
   function: the code ``mode="reduce-overhead"`` would replay, captured in our graph so that no
   input copy is counted; ``--inductor dynamic`` compiles once for all shapes, ``static`` once a
   shape). B in {1, 8, 32, 128}, contexts {4K, 32K, 128K}, bf16 and FP8 keys (per-row fp32
-  scales), Hi in {32, 64}, Di = 128, page size 64, K = 2048. Ours is also timed in its two parts.
+  scales; with FP8 keys the queries are E4M3 too, as the reference models quantize them),
+  Hi in {32, 64}, Di = 128, page size 64, K = 2048. Ours is also timed in its two parts.
   Where one call's keys fit twice in L2, the graph rotates over disjoint page tables so every
   call reads keys from HBM.
 - ``topk``: ``topk_select_triton`` alone (its default, and each path forced: ``resident``, one
@@ -43,6 +44,7 @@ import sys
 import torch
 
 from dsa_dcp.bench.measure import L2_BYTES, device_limits, in_graph_us, versions
+from dsa_dcp.kernels.kv_store import quantize_rows
 
 PAGE = 64
 DI = 128
@@ -108,7 +110,10 @@ class IndexerCase:
         self.positions = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int64)
         self.q = torch.randn(b, hi, DI, device="cuda", dtype=torch.bfloat16)
         self.w = torch.randn(b, hi, device="cuda") * (hi * DI) ** -0.5
-        self.bytes = key_bytes + self.q.numel() * 2 + self.w.numel() * 4 + 2 * b * ctx * 4 + b * K * 4
+        if keys == "fp8":  # E4M3 queries with FP8 keys, as the reference models quantize them
+            q8, q_scale = quantize_rows(self.q.view(b * hi, DI), block=True)
+            self.q, self.w = q8.view(b, hi, DI), self.w * q_scale.view(b, hi)
+        self.bytes = key_bytes + self.q.numel() * self.q.element_size() + self.w.numel() * 4 + 2 * b * ctx * 4 + b * K * 4
 
     def args(self, view: int = 0):
         return (self.q, self.w, self.cache, self.key_scale, self.page_tables[view], self.req_ids, self.positions, PAGE)

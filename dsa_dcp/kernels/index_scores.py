@@ -15,7 +15,9 @@ req_ids[T], positions[T], page_size P) -> scores[T, C] float32`` with ``C = MP *
     the model. Keys are bf16/fp16/fp32 rows, or FP8 E4M3 rows with an fp32 ``key_scale``:
     shape ``[S]`` (one scale per row: the 132-byte-a-token layout, 128 e4m3 bytes + one fp32)
     or ``[]``/``[1]`` (per tensor); the key is ``k_e4m3.float() * scale``. ``key_scale`` is
-    required for FP8 keys and refused otherwise. A slot ``>= S`` is a contract violation (the
+    required for FP8 keys and refused otherwise. Queries are fp32/bf16/fp16, or, with FP8 keys
+    only, FP8 E4M3 (``q_e4m3.float()``: the caller folds each query's scale into ``w``, as
+    DeepSeek-V3.2's inference does); the products then run FP8 x FP8 on the tensor cores. A slot ``>= S`` is a contract violation (the
     reference raises; the kernel treats the candidate as invalid rather than read out of bounds).
 
 ``index_scores(..., shard=(N, r, I))`` (the op ``index_scores_sharded``: the sharded index cache,
@@ -27,7 +29,8 @@ where each rank holds the index keys of the slots it owns, :mod:`.topk_agree`)
 Tolerance: the kernel sums the products on tensor cores (bf16/fp16 operands are exact in the fp32
 products, FP8 keys are widened exactly) in another order than the reference;
 ``|kernel - exact| <= 1e-5 * sum_h |w_h| * sum_d |q_hd * k_d|`` (one ulp of fp32 per term
-summed, with a margin), plus, for FP8 keys with bf16 queries (whose products run in fp16 with
+summed, with a margin; FP8 x FP8 products are exact in fp32 and the kernel moves them into its
+fp32 sum every 16 terms), plus, for FP8 keys with bf16 queries (whose products run in fp16 with
 the queries scaled by 2^-8), ``2^-17 * sum_h |w_h| * sum_d |k_d|`` for query entries below
 2^-6.
 """
@@ -80,8 +83,10 @@ def _check_scores(q, w, index_cache, key_scale, page_table, req_ids, positions, 
             f"{_SCORES}: req_ids and positions must have T = {T} entries, got {tuple(req_ids.shape)} and "
             f"{tuple(positions.shape)}"
         )
-    if q.dtype in FP8_KEY_DTYPES or w.dtype in FP8_KEY_DTYPES:
-        raise ValueError(f"{_SCORES}: q and w must be fp32, bf16 or fp16 (FP8 is for the index keys only)")
+    if w.dtype in FP8_KEY_DTYPES:
+        raise ValueError(f"{_SCORES}: w must be fp32, bf16 or fp16, got {w.dtype}")
+    if q.dtype in FP8_KEY_DTYPES and index_cache.dtype not in FP8_KEY_DTYPES:
+        raise ValueError(f"{_SCORES}: FP8 queries are for FP8 index keys only, got keys {index_cache.dtype}")
     if index_cache.dtype in FP8_KEY_DTYPES:
         S = index_cache.shape[0]
         if not isinstance(key_scale, torch.Tensor) or key_scale.dtype != torch.float32:
@@ -190,6 +195,7 @@ def _index_scores_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     """Grid (T, ceil(C / SPAN)): program (t, j) scores candidates [j*SPAN, (j+1)*SPAN) of row t.
 
@@ -239,6 +245,8 @@ def _index_scores_kernel(
             s = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
         elif DOT_IEEE:
             s = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
+        elif FP8_DOT:  # E4M3 x E4M3, exact products moved into the fp32 sum every 16 terms
+            s = tl.dot(k, q_t, max_num_imprecise_acc=16)
         else:
             s = tl.dot(k.to(DOT_DTYPE), q_t)
         if KEY_SCALE == 1:
@@ -260,10 +268,13 @@ def _score_dot(q_dtype: torch.dtype, key_dtype: torch.dtype, interpreted: bool) 
     bf16/fp16 keys with queries of the same dtype multiply as they are. FP8 keys are widened to
     fp16 (one conversion per two values; bf16 takes several) and bf16 queries go to fp16 scaled
     by 2^-8 (undone with the key scale): fp16 then holds |q| up to 2^24, and only entries below
-    2^-6 lose bits. Anything else (fp32, mixed dtypes, the interpreter) runs in fp32.
+    2^-6 lose bits. FP8 queries (with FP8 keys) multiply as they are. Anything else (fp32, mixed
+    dtypes, the interpreter) runs in fp32.
     """
     if interpreted or q_dtype == torch.float32:
         return tl.float32, True, 1.0
+    if q_dtype in FP8_KEY_DTYPES:
+        return tl.float8e4nv, False, 1.0
     if key_dtype in FP8_KEY_DTYPES:
         return tl.float16, False, (1.0 if q_dtype == torch.float16 else 2.0**-8)
     if key_dtype == q_dtype:
@@ -309,7 +320,7 @@ def index_scores_triton(
         check_remap_args(*shard, "index_scores_sharded")
     dcp_size, rank, interleave = shard or (1, 0, 1)
     for name, t in (("q", q), ("w", w)):
-        if t.dtype not in TRITON_FLOAT_DTYPES:
+        if t.dtype not in TRITON_FLOAT_DTYPES + (FP8_KEY_DTYPES if name == "q" else ()):
             raise ValueError(f"{_SCORES}: {name} dtype must be one of {list(TRITON_FLOAT_DTYPES)}, got {t.dtype}")
     if index_cache.dtype not in TRITON_FLOAT_DTYPES + FP8_KEY_DTYPES:
         raise ValueError(f"{_SCORES}: index_cache dtype {index_cache.dtype} is not supported")
@@ -322,7 +333,8 @@ def index_scores_triton(
         valid = _valid_mask(page_table, req_ids, positions, page_size, shard)
         return out.fill_(0.0).masked_fill_(~valid, float("-inf"))
     check_launchable(_index_scores_kernel, q, w, index_cache, page_table)
-    bc = block_c or (16 if q.device.type != "cuda" else 64)
+    fp8_dot = q.dtype in FP8_KEY_DTYPES and not is_interpreted(_index_scores_kernel)
+    bc = block_c or (16 if q.device.type != "cuda" else 128 if fp8_dot else 64)  # H200 sweeps (docs/benchmarks.md)
     if bc < 16 or bc & (bc - 1):
         raise ValueError(f"{_SCORES}: block_c must be a power of two >= 16, got {bc}")
     sp = span or _default_span(T, C, bc, q.device)
@@ -340,8 +352,8 @@ def index_scores_triton(
         H, D, C, index_cache.shape[0], page_table.shape[0], sp, prescale,
         q.stride(0), q.stride(1), w.stride(0), index_cache.stride(0), page_table.stride(0), out.stride(0), rank,
         PAGE=page_size, DCP_SIZE=dcp_size, INTERLEAVE=interleave, KEY_SCALE=key_scale_mode, Q_PRESCALE=prescale != 1.0, BLOCK_C=bc,
-        BLOCK_H=max(16, next_pow2(H)), BLOCK_D=max(16, next_pow2(D)),
-        DOT_DTYPE=dot_dtype, DOT_IEEE=dot_ieee, UPCAST=is_interpreted(_index_scores_kernel),
+        BLOCK_H=max(16, next_pow2(H)), BLOCK_D=max(32 if fp8_dot else 16, next_pow2(D)),  # E4M3 products: k >= 32
+        DOT_DTYPE=dot_dtype, DOT_IEEE=dot_ieee, UPCAST=is_interpreted(_index_scores_kernel), FP8_DOT=fp8_dot,
         num_warps=num_warps or 4, num_stages=num_stages or 2,
     )  # fmt: skip
     return out

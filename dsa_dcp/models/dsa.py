@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dsa_dcp.ops  # noqa: F401  (registers torch.ops.dsa_dcp.*)
+from dsa_dcp.kernels.kv_store import quantize_rows
 from dsa_dcp.kv_cache import allocate_block_scales, allocate_index_cache, allocate_kv_cache, is_index_cache, kv_layout
 
 from .config import DSAConfig
@@ -246,6 +247,11 @@ class LightningIndexer(nn.Module):
 
         q = self._rope_first(F.linear(q_a, self.wq).view(t, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
         w = F.linear(x, self.w_weights).float() * self.weight_scale  # [T, Hi]
+        if fp8:  # queries in E4M3 too, as DeepSeek-V3.2's inference scores FP8 keys: one power-of-two
+            # scale a head (the keys' rule), folded into its weight; the products run FP8 x FP8
+            q, q_scale = quantize_rows(q.reshape(t * cfg.index_n_heads, cfg.index_head_dim), block=True)
+            q = q.view(t, cfg.index_n_heads, cfg.index_head_dim)
+            w = w * q_scale.view(t, cfg.index_n_heads)
 
         # Candidate slots: every position of the row's request, over the full capacity.
         page_size = cfg.page_size

@@ -112,6 +112,8 @@ class _Matcher:
         cand_of = self._candidates(cand)  # (page_table, req, page_size)
         q, w, keys = self._scores(unmasked)
         cache = self._key_gather(keys, cand)
+        if F.dtype(q) == torch.float8_e4m3fn and self.key_scale is None:
+            raise NoMatch(f"the query {q.name} is E4M3 but the keys are not (FP8 queries go with FP8 keys)")
         self._mask(mask, means_valid, cand, shape)
         page_table, req, page_size = cand_of
         t, _ = shape
@@ -488,12 +490,14 @@ class _Matcher:
             and node.args[0].op == "placeholder"
 
     def _query(self, q: fx.Node) -> fx.Node:
-        """The query operand; a widening to fp32 is dropped (the kernels widen exactly)."""
-        if _dtype_arg(q) == torch.float32 and F.dtype(q.args[0]) in _FLOATS and len(q.users) == 1:
+        """The query operand; a widening to fp32 is dropped (the kernels widen exactly). E4M3
+        queries (with E4M3 keys only: ``match`` checks) are kept E4M3 for the FP8 x FP8 products."""
+        if _dtype_arg(q) == torch.float32 and F.dtype(q.args[0]) in _FLOATS + (torch.float8_e4m3fn,) \
+                and len(q.users) == 1:
             self.take(q)
             q = q.args[0]
-        if len(F.shape(q) or ()) != 3 or F.dtype(q) not in _FLOATS:
-            raise NoMatch(f"the query {q.name} is not a [T, H, D] fp32/bf16/fp16 tensor")
+        if len(F.shape(q) or ()) != 3 or F.dtype(q) not in _FLOATS + (torch.float8_e4m3fn,):
+            raise NoMatch(f"the query {q.name} is not a [T, H, D] fp32/bf16/fp16/e4m3 tensor")
         return q
 
     def _key_gather(self, keys: fx.Node, cand: fx.Node) -> fx.Node:
