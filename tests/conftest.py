@@ -63,6 +63,19 @@ else:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# One intra-op thread in the test process, as dsa_dcp.launch gives every rank: the tiny models' ops
+# are far too small to split, and on a 2-core machine the second thread mostly spins (an eager
+# tiny-model step: 24.8 -> 12.8 s of CPU). The single-rank references then run as the ranks do.
+@pytest.fixture(scope="session", autouse=True)
+def _one_intra_op_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # Ranks kept between runs (dsa_dcp.launch.keep_ranks): the end-to-end modules that start many
 # short gloo runs opt in with `pytestmark = pytest.mark.usefixtures("kept_ranks")`; every other
 # test starts its own ranks, as a user's program does.

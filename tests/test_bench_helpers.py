@@ -39,7 +39,19 @@ def test_format_tables_marks_missing_values_and_capture_errors():
     assert "\ntopk_remap\n" in text and "| 1 | 2 | 2048 | 6.50 | - |" in text
 
 
-@pytest.mark.parametrize("tile", CANDIDATE_SETS["all"], ids=lambda t: "-".join(f"{v}" for v in t.values()))
+def _tile_id(tile):
+    return "-".join(f"{v}" for v in tile.values())
+
+
+# The interpreter drops a launch's num_warps and num_stages (they are no arguments of the kernel),
+# so under it two candidates that differ only there are one launch: the first of them runs it.
+_LAUNCH_ONLY = ("num_warps", "num_stages")
+_FIRST_WITH_SAME_LAUNCH = {}
+for _tile in CANDIDATE_SETS["all"]:
+    _FIRST_WITH_SAME_LAUNCH.setdefault(tuple((k, v) for k, v in sorted(_tile.items()) if k not in _LAUNCH_ONLY), _tile)
+
+
+@pytest.mark.parametrize("tile", CANDIDATE_SETS["all"], ids=_tile_id)
 def test_every_tile_candidate_is_a_correct_launch(tile):
     """What --tune may write into the table launches and matches the reference (interpreter, tiny)."""
     import torch
@@ -47,6 +59,9 @@ def test_every_tile_candidate_is_a_correct_launch(tile):
     from dsa_dcp.kernels.sparse_mla import sparse_mla_reference, sparse_mla_triton
 
     assert set(tile) <= set(TILE_KEYS)
+    first = _FIRST_WITH_SAME_LAUNCH[tuple((k, v) for k, v in sorted(tile.items()) if k not in _LAUNCH_ONLY)]
+    if DEVICE == "cpu" and first is not tile:
+        pytest.skip(f"the interpreter ignores num_warps and num_stages: the same launch as [{_tile_id(first)}]")
     gen = torch.Generator().manual_seed(sum(map(int, tile.values())))
     B, H, K, S, Dc, Dr = 2, 5, 40, 50, 32, 8  # Dc = 32: with dc_split=2 each program owns 16 columns
     q_nope, q_pe = torch.randn(B, H, Dc, generator=gen), torch.randn(B, H, Dr, generator=gen)

@@ -14,6 +14,7 @@ from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
 from dsa_dcp.slots import local_cache_rows, local_row, owner
 
+
 pytestmark = pytest.mark.usefixtures("kept_ranks")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' device (interpreted on CPU)
@@ -263,6 +264,8 @@ def _write_inputs(world):
 
 
 def _dcp_rank(rank, world, cases):
+    from one_trace import OneTrace
+
     results = {}
     for form in ("tensor", "block"):  # the write alone: the same rows on every rank, so the same bytes
         torch._dynamo.reset()
@@ -270,31 +273,36 @@ def _dcp_rank(rank, world, cases):
         options = {"dcp_size": world, "lowering": "fx"}
         torch.compile(writer, backend="dsa_dcp", options=options, fullgraph=True)(*_write_inputs(world))
         results[form] = (writer.cache.view(torch.uint8).clone(), writer.scales)
+    models = {}  # (variant, index_cache) -> its merges: one trace a model, compiled once a merge
     for variant, merge, index_cache in cases:
+        models.setdefault((variant, index_cache), []).append(merge)
+    for (variant, index_cache), merges in models.items():
         cfg, batch = _setup(variant)
         torch._dynamo.reset()
         model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=11, index_cache=index_cache)
-        options = {"dcp_size": world, "merge": merge, "lowering": "fx", "index_cache": index_cache}
-        step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True, dynamic=False)
-        with torch.no_grad():
-            out = generate(step, batch, STEPS, pad_to=ROWS)
-        results[(variant, merge, index_cache)] = {"tokens": out.tokens, "logits": out.step_logits,
-                                                  **_caches(model)}
-    merge = NAN_MERGE[world]  # a NaN byte in one FP8 KV row, on the rank that owns it
-    cfg, batch = _setup(NAN_CASE)
-    slot = torch.tensor([batch.slot(*POISON)])
-    row = int(local_row(slot, world, 1)) if int(owner(slot, world, 1)) == rank else None
-    torch._dynamo.reset()
-    model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=11)
-    step = torch.compile(model, backend="dsa_dcp", options={"dcp_size": world, "merge": merge, "lowering": "fx"},
-                         fullgraph=True, dynamic=False)
-    with torch.no_grad():
-        results["nan"] = generate(_poisoned(step, model, row), batch, STEPS, pad_to=ROWS).step_logits
+        backend = OneTrace({merge: {"dcp_size": world, "merge": merge, "lowering": "fx", "index_cache": index_cache}
+                            for merge in merges})
+        step = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+        for merge in merges:
+            backend.select(merge)
+            model.reset_caches()
+            with torch.no_grad():
+                out = generate(step, batch, STEPS, pad_to=ROWS)
+            results[(variant, merge, index_cache)] = {"tokens": out.tokens, "logits": out.step_logits,
+                                                      **_caches(model)}
+            if (variant, merge, index_cache) in NAN_CASES:  # a NaN byte in one FP8 KV row, on its owner
+                slot = torch.tensor([batch.slot(*POISON)])
+                row = int(local_row(slot, world, 1)) if int(owner(slot, world, 1)) == rank else None
+                model.reset_caches()
+                with torch.no_grad():
+                    results["nan", variant, merge, index_cache] = generate(
+                        _poisoned(step, model, row), batch, STEPS, pad_to=ROWS).step_logits
     return results
 
 
-NAN_CASE = "tensor"
-NAN_MERGE = {2: "ag_rs", 3: "ag"}
+# The NaN cases, each one of the CASES run again (its compilation): a NaN byte in one FP8 KV row with
+# per-tensor scales under ag_rs, and with block scales under ag (sharded FP8 keys).
+NAN_CASES = (("tensor", "ag_rs", "replicated"), ("block", "ag", "sharded"))
 POISON = (0, 1)  # request 0's position 1: written by the prompt step, read by the steps after it
 
 
@@ -343,16 +351,17 @@ def _relative_error(a, b):
 
 # Every merge mode, not the whole cross-product. The FP8 forms change what is stored and how the
 # local attention reads it, before the merge; a merge sees an (out, lse) pair like any other, so
-# each form needs one merge and each merge one form. N = 2 runs the head-sharded merges (a2a,
-# ag_rs, fused_a2a) with per-tensor scales and FP8 index keys in a replicated index cache, and block
-# scales with FP8 index keys in a sharded index cache with a2a; N = 3 runs ag (3 does not divide the tiny models' 4 heads, so the head-sharded
-# merges refuse it at compile time: tests/test_dcp.py) with the block scales and sharded FP8 keys.
-# What N changes is which rank owns a slot (the writes, the remap, the sharded keys): 2 and 3.
-# Each spawn also runs NAN_CASE: a NaN byte in one FP8 row shows in the same logits as on one rank.
+# each form needs one merge and each merge one form. N = 2 runs the head-sharded merges (a2a, ag_rs,
+# fused_a2a) with per-tensor scales and FP8 index keys in a replicated index cache, and block scales
+# with FP8 index keys in a sharded index cache with a2a and ag. The cases of one model are traced once
+# (tests/one_trace.py), and NAN_CASES run two of them again with a NaN byte in one FP8 row: it shows
+# in the same logits as on one rank. What N changes is which rank owns a slot (the writes, their
+# local rows, the sharded keys), the same for every cache dtype: a group whose slots do not split
+# evenly (N = 3) is checked by tests/test_dcp.py (KV writes, every layer's cache rebuilt from its
+# owners) and tests/test_sharded_index.py (sharded index keys).
 CASES = {
     2: [("tensor", "a2a", "replicated"), ("tensor", "ag_rs", "replicated"), ("tensor", "fused_a2a", "replicated"),
-        ("block", "a2a", "sharded")],
-    3: [("block", "ag", "sharded")],
+        ("block", "a2a", "sharded"), ("block", "ag", "sharded")],
 }
 
 
@@ -373,16 +382,17 @@ def test_fp8_kv_under_dcp_matches_the_single_rank_model(world):
             assert torch.equal(scales, one.scales)
     singles = {variant: _single_rank(variant) for variant in {c[0] for c in cases}}
     # NaN: the rows that read the poisoned slot are NaN exactly where the single-rank model's are
-    cfg, batch = _setup(NAN_CASE)
-    model = DSAModel(cfg, batch.num_slots, seed=11)
-    with torch.no_grad():
-        ref = generate(_poisoned(model, model, batch.slot(*POISON)), batch, STEPS, pad_to=ROWS).step_logits
-    assert any(b.isnan().any() for b in ref) and all(not b.isnan().all() for b in ref)
-    for r in ranks:
-        for a, b in zip(r["nan"], ref, strict=True):
-            assert torch.equal(a.isnan(), b.isnan())
-            finite = ~b.isnan().any(dim=1)
-            assert _relative_error(a[finite], b[finite]) < 1e-5
+    for nan_case in NAN_CASES:
+        cfg, batch = _setup(nan_case[0])
+        model = DSAModel(cfg, batch.num_slots, seed=11)
+        with torch.no_grad():
+            ref = generate(_poisoned(model, model, batch.slot(*POISON)), batch, STEPS, pad_to=ROWS).step_logits
+        assert any(b.isnan().any() for b in ref) and all(not b.isnan().all() for b in ref)
+        for r in ranks:
+            for a, b in zip(r[("nan",) + nan_case], ref, strict=True):
+                assert torch.equal(a.isnan(), b.isnan()), nan_case
+                finite = ~b.isnan().any(dim=1)
+                assert _relative_error(a[finite], b[finite]) < 1e-5, nan_case
     for case in cases:
         variant = case[0]
         cfg, batch, ref, want = singles[variant]

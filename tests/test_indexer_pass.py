@@ -15,6 +15,7 @@ from dsa_dcp.inspection.targets import fake_group
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
 from dsa_dcp.ops import INDEX_SCORES, TOPK_REMAP, TOPK_SELECT, TOPK_SELECT_REMAP
 
+
 SPARSE_MLA = torch.ops.dsa_dcp.sparse_mla.default
 T, R, MAX_PAGES, P, S, HI, DI, H, DC, DR, K = 6, 3, 5, 4, 64, 4, 8, 2, 8, 4, 7
 
@@ -30,22 +31,30 @@ def _relative_error(a, b):
 # ----------------------------------------------------------------------------- the reference models
 
 
-@pytest.mark.parametrize("family, layers", [("deepseek-v3.2-tiny", 3), ("glm5.2-tiny", 8)])
+# DeepSeek-V3.2: an indexer in every layer; GLM-5.2: indexers in layers 0-2, layer 3 reuses layer 2's top-k
+@pytest.mark.parametrize("family, layers", [("deepseek-v3.2-tiny", 2), ("glm5.2-tiny", 4)])
 def test_reference_models_at_dcp_size_one(family, layers):
+    from one_trace import OneTrace
+
     cfg = get_config(family, n_layers=layers)
     batch = standard_test_batch(cfg, max_new_tokens=4, seed=5)
     with torch.no_grad():
         ref = generate(DSAModel(cfg, batch.num_slots, seed=2), batch, 4, pad_to=16)
+    # the model traced once, compiled with the pass on and off (tests/one_trace.py)
+    backend = OneTrace({kernels: {"lowering": "fx", "indexer_kernels": kernels} for kernels in (True, False)})
+    model = DSAModel(cfg, batch.num_slots, seed=2)
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     for kernels in (True, False):
-        torch._dynamo.reset()
-        step = torch.compile(DSAModel(cfg, batch.num_slots, seed=2), backend="dsa_dcp", fullgraph=True,
-                             dynamic=False, options={"lowering": "fx", "indexer_kernels": kernels})
+        backend.select(kernels)
+        model.reset_caches()
         with torch.no_grad():
             out = generate(step, batch, 4, pad_to=16)
         assert out.tokens == ref.tokens
         for a, b in zip(out.step_logits, ref.step_logits, strict=True):
             assert _relative_error(a, b) < 1e-5
-        report = dsa_dcp.backend_report()
+        assert backend.traces == 1
+        report = backend.reports[kernels]
         targets = _targets(report.graph)
         if kernels:
             stats = report.stats()["indexer_kernels"]

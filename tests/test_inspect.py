@@ -27,6 +27,7 @@ from dsa_dcp.inspection.report import NO_KERNEL_COUNT, NO_KERNEL_COUNT_DCP, SCHE
 from dsa_dcp.inspection.targets import fake_group
 from dsa_dcp.kv_cache import allocate_kv_cache
 
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GLM52_LAYERS, GLM52_INDEXERS = 78, 21
 
@@ -94,11 +95,13 @@ def _run_cli(argv):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """The CLI's text, its output folder, report.json, and the backend's report of the compilation."""
     out_dir = str(tmp_path_factory.mktemp("glm52_tiny"))
     text = _run_cli(["inspect", "glm5.2-tiny", "--dcp", "4", "--out", out_dir])
+    report = dsa_dcp.backend_report()
     with open(os.path.join(out_dir, "report.json")) as f:
         data = json.load(f)
-    return text, out_dir, data
+    return text, out_dir, data, report
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +112,7 @@ def full():
 
 
 def test_glm52_tiny_counts(tiny):
-    text, _, data = tiny
+    text, _, data, _ = tiny
     s = data["summary"]
     assert "rank 0 of a 4-rank DCP group" in text and "fake process group" in text
     assert re.search(r"sparse attention nodes\s+78\n", text)
@@ -136,8 +139,36 @@ def test_glm52_tiny_counts(tiny):
     assert [src["first_layer"] for src in data["dataflow"]["sources"]] == [0, 1, 2] + list(range(6, 78, 4))
 
 
+def test_glm52_tiny_shares_21_remaps_each_fused_into_its_selection(tiny):
+    """GLM-5.2 whole (78 layers, 21 indexers): 21 remaps, each fused into its indexer's selection, one
+    group of layers a top-k (the share_remaps test of the whole model, on this module's compile)."""
+    from dsa_dcp.inspection.render import jsonable
+    from dsa_dcp.models import get_config
+
+    _, _, data, report = tiny
+    cfg = get_config("glm5.2-tiny")
+    assert cfg.n_layers == GLM52_LAYERS and len(cfg.indexer_layers) == GLM52_INDEXERS
+    assert report.summary["sparse_attention_nodes"] == GLM52_LAYERS and report.summary["remaps"] == GLM52_INDEXERS
+    stats = report.stats()
+    assert jsonable(stats) == {p["name"]: p["stats"] for p in data["passes"]}  # report.json's compilation
+    assert stats["indexer_kernels"]["indexers_matched"] == GLM52_INDEXERS
+    assert stats["fuse_remaps"] == {"remaps_fused": GLM52_INDEXERS, "remaps_kept": []}
+    targets = [n.target for n in report.graph.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.dsa_dcp.topk_select_remap.default) == GLM52_INDEXERS
+    assert torch.ops.dsa_dcp.topk_remap.default not in targets and torch.ops.dsa_dcp.topk_select.default not in targets
+    share = stats["share_remaps"]
+    assert (share["remaps_before"], share["remaps_after"]) == (GLM52_LAYERS, GLM52_INDEXERS)
+    groups = {}
+    for layer in range(cfg.n_layers):
+        groups.setdefault(cfg.topk_source(layer), []).append(layer)
+    assert share["layer_groups"] == list(groups.values())
+    assert len(share["groups"]) == GLM52_INDEXERS and sum(map(len, share["groups"])) == GLM52_LAYERS
+    assert len(share["refusals"]) == GLM52_INDEXERS - 1  # each indexer layer after the first has its own top-k
+    assert all("a different tensor" in r for r in share["refusals"])
+
+
 def test_collective_bytes_follow_the_shapes(tiny):
-    _, _, data = tiny
+    _, _, data, _ = tiny
     # 4 rows, 4 heads packed by 4 head groups: [N=4, B=4, H/N=1, Dc + 1 word of LSE = 17] fp32
     a2a = [c for c in data["collectives"] if c["op"] == "all_to_all_single"]
     assert {tuple(c["input_shape"]) for c in a2a} == {(4, 4, 1, 17)}
@@ -226,7 +257,7 @@ def _check_schema(data):
 
 
 def test_json_schema_of_the_glm52_report(tiny):
-    _, _, data = tiny
+    _, _, data, _ = tiny
     _check_schema(data)
     assert data["options"] == {"dcp_size": 4, "rank": 0, "merge": "a2a", "interleave": 1, "lowering": "fx"}
     names = [p["name"] for p in data["passes"]]
@@ -270,7 +301,7 @@ def _svg_nodes(html, kind):
 
 
 def test_html_svg_has_the_dataflow_nodes(tiny):
-    _, out_dir, data = tiny
+    _, out_dir, data, _ = tiny
     with open(os.path.join(out_dir, "report.html")) as f:
         html = f.read()
     svg = re.search(r"<svg.*?</svg>", html, re.S).group(0)
@@ -285,7 +316,7 @@ def test_html_svg_has_the_dataflow_nodes(tiny):
 
 
 def test_png_is_written(tiny):
-    _, out_dir, _ = tiny
+    _, out_dir, _, _ = tiny
     path = os.path.join(out_dir, "dataflow.png")
     with open(path, "rb") as f:
         head = f.read(8)
@@ -309,7 +340,7 @@ def test_html_renders_in_headless_chromium(tiny, tmp_path):
     browser = _chromium()
     if browser is None:
         pytest.skip("no chromium on this machine (Debian package 'chromium'; .ci/run installs it)")
-    _, out_dir, _ = tiny
+    _, out_dir, _, _ = tiny
     shot = tmp_path / "shot.png"
     cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1000,1600",
            f"--screenshot={shot}", "file://" + os.path.join(out_dir, "report.html")]

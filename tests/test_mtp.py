@@ -15,6 +15,7 @@ from dsa_dcp.models.speculative import generate_speculative
 from dsa_dcp.slots import local_cache_rows, local_row, owner
 from dsa_dcp.validate import DCPValidationError
 
+
 pytestmark = pytest.mark.usefixtures("kept_ranks")
 
 STEPS = 8
@@ -155,7 +156,6 @@ def _dcp_rank(rank, world, merge, ks):
                   "caches": [c.clone() for c in model.kv_caches()], "draft_cache": model.draft_kv_cache().clone(),
                   "draft_summary": dsa_dcp.backend_report().summary}
     if world == 2:
-        out["refusals"] = _refusals(world)
         out["one_graph"] = _verify_then_draft(world)
     return out
 
@@ -197,7 +197,15 @@ def _verify_then_draft(world):
 
 def _refusals(world):
     """What the group refuses: a draft cache split over the group named replicated, and a whole
-    draft cache compiled without naming its module."""
+    draft cache compiled without naming its module; compiled for rank 0 of a fake group of ``world``
+    ranks in this process (refused at compile time: no collective runs)."""
+    from dsa_dcp.inspection.targets import fake_group
+
+    with fake_group(world):
+        return _refusals_in_group(world)
+
+
+def _refusals_in_group(world):
     import dsa_dcp
 
     cfg, batch = _setup(1)
@@ -241,10 +249,14 @@ def _check_target_caches_are_split(cfg, batch, reference, rank_caches, world):
         torch.testing.assert_close(rebuilt, ref, rtol=1e-5, atol=1e-5)
 
 
+# k = 1 and 3 at N = 2; k = 3 alone at N = 3 (its rounds run every step kind k = 1 runs, extend and
+# verify, and the chain besides; k = 1 under DCP is the N = 2 case).
+DCP_CASES = [(2, "a2a", (1, 3)), (3, "ag", (3,))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world, merge", [(2, "a2a"), (3, "ag")], ids=str)
-def test_dcp_drafts_and_accepts_what_the_single_rank_model_does(world, merge):
-    ks = (1, 3)
+@pytest.mark.parametrize("world, merge, ks", DCP_CASES, ids=str)
+def test_dcp_drafts_and_accepts_what_the_single_rank_model_does(world, merge, ks):
     ranks = run_on_ranks(_dcp_rank, world, merge, ks, timeout=600)
     for k in ks:
         cfg, batch, model, ref = _single_rank(k)
@@ -280,13 +292,16 @@ def test_dcp_drafts_and_accepts_what_the_single_rank_model_does(world, merge):
             again, _ = model.draft(*inputs, torch.ones(len(inputs[0]), cfg.hidden_size))
         for res in ranks:
             torch.testing.assert_close(res["one_graph"]["draft_again"], again, rtol=1e-5, atol=1e-5)
-        errors = ranks[0]["refusals"]
-        assert "KV cache" in errors["split_draft_cache"]
-        assert "of replicated module 'mtp' was allocated for dcp_size=2" in errors["split_draft_cache"]
-        assert "allocate its caches whole (DSAModel(..., draft_cache='replicated')" in errors["split_draft_cache"]
-        assert "was allocated for dcp_size=1" in errors["whole_draft_cache_not_named"]
-        assert "a DCP rank never holds the global cache" in errors["whole_draft_cache_not_named"]
-        assert "has 6 rows, not a multiple of draft_length + 1 = 4" in errors["verify_rows"]
+
+
+def test_a_dcp_group_refuses_split_or_unnamed_draft_caches_and_uneven_verify_rows():
+    errors = _refusals(2)
+    assert "KV cache" in errors["split_draft_cache"]
+    assert "of replicated module 'mtp' was allocated for dcp_size=2" in errors["split_draft_cache"]
+    assert "allocate its caches whole (DSAModel(..., draft_cache='replicated')" in errors["split_draft_cache"]
+    assert "was allocated for dcp_size=1" in errors["whole_draft_cache_not_named"]
+    assert "a DCP rank never holds the global cache" in errors["whole_draft_cache_not_named"]
+    assert "has 6 rows, not a multiple of draft_length + 1 = 4" in errors["verify_rows"]
 
 
 def test_bench_times_a_speculative_round_and_the_plain_step():

@@ -19,7 +19,9 @@ from dsa_dcp.models import DSAModel, generate, get_config
 from dsa_dcp.models.runner import make_requests
 from dsa_dcp.slots import local_row, owner
 
-pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
+
+# many short gloo runs: kept ranks (conftest.py)
+pytestmark = pytest.mark.usefixtures("kept_ranks")
 
 QUIET_NAN = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 

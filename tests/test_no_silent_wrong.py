@@ -188,23 +188,31 @@ MISMATCHES = [  # (option, rank 0's value, rank 1's value)
 
 
 def _mismatch_rank(rank, world):
+    from one_trace import OneTrace
+
     from dsa_dcp.models import DSAModel, get_config
 
     cfg = get_config("glm5.2-tiny", n_layers=2)
+    values = {name: by_rank[rank] for name, *by_rank in MISMATCHES}
+    # the interleave is the layout the model's caches were allocated for: a model of its own; the
+    # other options are compiled over one trace of one model (tests/one_trace.py)
+    groups = [("interleave",), tuple(name for name in values if name != "interleave")]
+    rows = torch.zeros(4, dtype=torch.int64)
     errors = {}
-    for name, *values in MISMATCHES:
+    for names in groups:
         torch._dynamo.reset()
-        options = {"dcp_size": world, "lowering": "fx", name: values[rank]}
-        model = DSAModel(cfg, 128, dcp_size=world, interleave=options.get("interleave", 1))
-        step = torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True)
-        rows = torch.zeros(4, dtype=torch.int64)
-        try:
-            with torch.no_grad():
-                step(rows, rows, rows, rows - 1, torch.zeros(1, 2, dtype=torch.int32))
-            errors[name] = "compiled"
-        except Exception as e:  # noqa: BLE001
-            cause = _root_cause(e)
-            errors[name] = cause.problems if isinstance(cause, DCPValidationError) else repr(e)
+        model = DSAModel(cfg, 128, dcp_size=world, interleave=values["interleave"] if "interleave" in names else 1)
+        backend = OneTrace({name: {"dcp_size": world, "lowering": "fx", name: values[name]} for name in names})
+        step = torch.compile(model, backend=backend, fullgraph=True)
+        for name in names:
+            backend.select(name)
+            try:
+                with torch.no_grad():
+                    step(rows, rows, rows, rows - 1, torch.zeros(1, 2, dtype=torch.int32))
+                errors[name] = "compiled"
+            except Exception as e:  # noqa: BLE001
+                cause = _root_cause(e)
+                errors[name] = cause.problems if isinstance(cause, DCPValidationError) else repr(e)
     return errors
 
 
@@ -218,8 +226,11 @@ def test_ranks_compiled_with_different_options_are_refused_naming_the_values():
             assert any(expected in p for p in problems), problems
 
 
-def _one_token_differs_rank(rank, world, debug_checks):
-    """Greedy generation over the standard schedule; on rank 1 one token of one step differs."""
+def _one_token_differs_rank(rank, world):
+    """Greedy generation over the standard schedule; on rank 1 one token of one step differs. Without
+    and with debug_checks, compiled over one trace (tests/one_trace.py): debug_checks -> tokens or error."""
+    from one_trace import OneTrace
+
     from dsa_dcp.debug_checks import DCPRuntimeCheckError
     from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
 
@@ -227,8 +238,8 @@ def _one_token_differs_rank(rank, world, debug_checks):
     batch = standard_test_batch(cfg, max_new_tokens=3, seed=7)
     torch._dynamo.reset()
     model = DSAModel(cfg, batch.num_slots, dcp_size=world, seed=11)
-    step = torch.compile(model, backend="dsa_dcp", fullgraph=True,
-                         options={"dcp_size": world, "lowering": "fx", "debug_checks": debug_checks})
+    backend = OneTrace({checks: {"dcp_size": world, "lowering": "fx", "debug_checks": checks} for checks in (False, True)})
+    step = torch.compile(model, backend=backend, fullgraph=True)
     calls = []
 
     def fed(input_ids, positions, req_ids, slots, page_table):
@@ -238,20 +249,27 @@ def _one_token_differs_rank(rank, world, debug_checks):
             input_ids[1] = (input_ids[1] + 1) % cfg.vocab_size
         return step(input_ids, positions, req_ids, slots, page_table)
 
-    try:
-        with torch.no_grad():
-            return generate(fed, batch, 3, pad_to=16).tokens
-    except DCPRuntimeCheckError as e:
-        return f"DCPRuntimeCheckError at step {len(calls)}: {e}"
+    results = {}
+    for checks in (False, True):
+        backend.select(checks)
+        model.reset_caches()
+        calls.clear()
+        try:
+            with torch.no_grad():
+                results[checks] = generate(fed, batch, 3, pad_to=16).tokens
+        except DCPRuntimeCheckError as e:
+            results[checks] = f"DCPRuntimeCheckError at step {len(calls)}: {e}"
+    return results
 
 
 def test_a_token_that_differs_on_one_rank_is_named_by_the_debug_checks():
     """Regression: one token changed on rank 1 for one step changed rank 0's tokens, and debug_checks did
     not notice (the top-k agrees while the contexts are shorter than the top-k). The step-input check
     names the input, the rank and the entry on every rank, before the step's first collective."""
-    wrong = run_on_ranks(_one_token_differs_rank, 2, False, timeout=300)
-    assert wrong[0] != wrong[1]  # without the checks: the contract is broken and the ranks disagree
-    for r in run_on_ranks(_one_token_differs_rank, 2, True, timeout=300):
+    ranks = run_on_ranks(_one_token_differs_rank, 2, timeout=300)
+    wrong = [r[False] for r in ranks]
+    assert isinstance(wrong[0], list) and wrong[0] != wrong[1]  # without the checks: the ranks disagree
+    for r in (r[True] for r in ranks):
         assert r.startswith("DCPRuntimeCheckError at step 2: the ranks of the DCP group were given different step "
                             "inputs: L['input_ids'] differs on ranks [1] from rank 0's (first at index 1: rank 1 has "), r
         assert "Every rank of a DCP group must be fed the same inputs every step" in r, r

@@ -3,8 +3,9 @@ group of its TP group, on 4 gloo ranks, fp32, against the unsharded single-rank 
 
 Layouts (``dsa_dcp.topology.tp_dcp_groups``): TP 4 + DCP 2 (two DCP groups side by side), TP 4 +
 DCP 4, TP 2 + DCP 2 twice side by side (each TP group serving its own requests). Every merge mode
-runs for each family over the layouts, and each merge mode and each layout with both ``replicate_q``
-settings (a covering set of cases, not every product: compiles are the slow part;
+runs for each family, TP 4 + DCP 2 (DCP groups inside a TP group) for both families and each other
+layout for one, and each merge mode and each layout with both ``replicate_q`` settings (a covering
+set of cases, not every product: each layout of a family is one more trace on 4 ranks, the slow part;
 ``DSA_DCP_FULL_MATRIX=1`` runs every product); each rank's
 greedy tokens and logits equal the single-rank model's, every layer is rewritten as a TP layer, and
 each rank holds 1/N of the KV rows TP alone holds. With ``replicate_q`` no layer all-gathers its
@@ -20,17 +21,20 @@ import torch
 from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
 
+
 pytestmark = pytest.mark.usefixtures("kept_ranks")
 
 STEPS, ROWS = 6, 16
 LAYERS = {"deepseek-v3.2-tiny": 2, "glm5.2-tiny": 4}  # GLM: layer 3 reuses layer 2's top-k
-# (tp, dcp) -> (merge, replicate_q) cases, per family: every merge for each family, every layout for
-# both, and each merge and each layout with replicate_q on and off
+# (tp, dcp) -> (merge, replicate_q) cases, per family: every merge for each family; TP 4 + DCP 2 for
+# both, TP 4 + DCP 4 for GLM (whose layer 3 shares layer 2's remap) and TP 2 + DCP 2 for DeepSeek (a
+# layout's groups and DCP ranks come from tp_dcp_groups whatever the family; a shared remap is one
+# remap of the same top-k: tests/test_share_remaps.py); each merge and each layout with replicate_q on
+# and off, and the inspection of an a2a case with each
 CASES = {
     "deepseek-v3.2-tiny": {(4, 2): (("ag", True), ("a2a", False), ("ag_rs", True), ("fused_a2a", False)),
-                           (4, 4): (("a2a", True),), (2, 2): (("ag_rs", False),)},
-    "glm5.2-tiny": {(4, 2): (("a2a", True),), (4, 4): (("ag", False), ("fused_a2a", True)),
-                    (2, 2): (("a2a", False), ("ag_rs", True))},
+                           (2, 2): (("ag_rs", False), ("a2a", True))},
+    "glm5.2-tiny": {(4, 2): (("a2a", True), ("ag_rs", False)), (4, 4): (("ag", False), ("fused_a2a", True))},
 }
 
 if os.environ.get("DSA_DCP_FULL_MATRIX"):  # every layout x merge x replicate_q, for a run by hand
@@ -130,9 +134,11 @@ def _query_weight_bytes(family: str, tp: int) -> int:
 
 # The plain model (``models/plain.py``) runs the published TP over the whole world (it reads the
 # world size when built), so its layouts are TP 4 + DCP 2 and TP 4 + DCP 4; "moe": layer 0 a dense
-# TP MLP, layer 1 the expert-parallel MoE. (tp, dcp, mlp, merge, replicate_q)
-PLAIN_CASES = [(4, 2, "moe", "a2a", True), (4, 2, "dense", "ag", False), (4, 4, "moe", "ag_rs", False),
-               (4, 4, "dense", "fused_a2a", True)]
+# TP MLP (``n_dense_layers=1``), layer 1 the expert-parallel MoE. Every case runs the MoE model: its
+# layer 0 is the dense TP MLP a "dense" model has in every layer, so each case checks both MLPs under
+# TP + DCP, with one trace a layout. (tp, dcp, mlp, merge, replicate_q)
+PLAIN_CASES = [(4, 2, "moe", "a2a", True), (4, 2, "moe", "ag", False), (4, 4, "moe", "ag_rs", False),
+               (4, 4, "moe", "fused_a2a", True)]
 if os.environ.get("DSA_DCP_FULL_MATRIX"):
     PLAIN_CASES = [(4, dcp, mlp, merge, rq) for dcp in (2, 4) for mlp in ("dense", "moe")
                    for merge in ("ag", "a2a", "ag_rs", "fused_a2a") for rq in (True, False)]
@@ -187,7 +193,8 @@ def _plain_rank(rank, world):
 def test_plain_model_tp_and_ep_with_dcp_inside_matches_the_unsharded_model():
     from dsa_dcp.models.plain import Transformer, init_weights
 
-    refs = {mlp: _plain_generate(init_weights(Transformer(_plain_args(mlp)), seed=0).eval()) for mlp in ("dense", "moe")}
+    refs = {mlp: _plain_generate(init_weights(Transformer(_plain_args(mlp)), seed=0).eval())
+            for mlp in {case[2] for case in PLAIN_CASES}}
     # on the ranks the DSAModel runs above used (kept ranks), whose groups had other members: the
     # compile-time agreement counts each rank's rounds in the run's store, not in the process
     for rank, results in enumerate(run_on_ranks(_plain_rank, 4, timeout=600)):

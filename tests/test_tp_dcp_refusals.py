@@ -1,13 +1,16 @@
 """DCP inside tensor parallelism: the layouts the rewrite refuses at compile time (a DCP group across
 TP groups, N not dividing T, a collective it cannot place, query weights ``replicate_q`` cannot
-find), and ``tp_dcp_groups``' layout. Each test starts its own 4 gloo ranks (no kept ranks: the
-refusals leave groups half-used)."""
+find), ``tp_dcp_groups``' layout, and DTensor parameters. One launch of 4 gloo ranks of their own
+(no kept ranks: the refusals leave groups half-used) runs every part, the layouts and the DTensor
+program before the refusals; each test asserts on its part (starting ranks is most of the cost)."""
 
+import pytest
 import torch
 
 from dsa_dcp.launch import run_on_ranks
 from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
 from dsa_dcp.models.dsa import MLAAttention
+
 
 ROWS = 16
 
@@ -41,34 +44,41 @@ def _refused_rank(rank, world):
     batch = standard_test_batch(cfg, max_new_tokens=1, seed=7)
     errors = {}
 
-    def compile_error(model, options, ranks):
-        torch._dynamo.reset()
-        if rank not in ranks:
-            return None
+    def run_error(step):
         try:
             with torch.no_grad():
-                generate(torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True), batch, 1,
-                         pad_to=ROWS)
+                generate(step, batch, 1, pad_to=ROWS)
         except Exception as e:  # noqa: BLE001 - the parent asserts on the message
             return str(e)
         return "compiled"
+
+    def compile_error(model, options):
+        torch._dynamo.reset()
+        return run_error(torch.compile(model, backend="dsa_dcp", options=options, fullgraph=True))
 
     # TP groups {0, 1}, {2, 3}; DCP groups {0, 2}, {1, 3}: each DCP group spans both TP groups
     tp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
     model = DSAModel(cfg, batch.num_slots, dcp_size=2, seed=1, tp_size=2, tp_group=tp)
-    errors["across"] = compile_error(model, {"dcp_size": 2, "group": across, "lowering": "fx"}, range(4))
+    errors["across"] = compile_error(model, {"dcp_size": 2, "group": across, "lowering": "fx"})
     # replicate_q with a query weight that is computed, not a parameter: refused, and compiles without it
+    # (the model traced once, compiled with replicate_q as default and off: tests/one_trace.py)
+    from one_trace import OneTrace
+
     pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     model = DSAModel(cfg, batch.num_slots, dcp_size=2, seed=1, tp_size=2, tp_group=pair)
     model.layers[0].attn.__class__ = _ComputedQueryWeight
-    errors["computed_query"] = compile_error(model, {"dcp_size": 2, "group": pair, "lowering": "fx"}, range(4))
-    model.reset_caches()
-    errors["computed_query_gathered"] = compile_error(
-        model, {"dcp_size": 2, "group": pair, "lowering": "fx", "replicate_q": False}, range(4))
+    options = {"dcp_size": 2, "group": pair, "lowering": "fx"}
+    backend = OneTrace({"computed_query": options, "computed_query_gathered": {**options, "replicate_q": False}})
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=backend, fullgraph=True)
+    for case in backend.option_sets:
+        backend.select(case)
+        model.reset_caches()
+        errors[case] = run_error(step)
     # a plain DCP model whose logits are summed over the world: no TP layer, one collective
     model = _SummedLogits(DSAModel(cfg, batch.num_slots, dcp_size=4, seed=1), dist.group.WORLD.group_name)
-    errors["unplaced"] = compile_error(model, {"dcp_size": 4, "lowering": "fx"}, range(4))
+    errors["unplaced"] = compile_error(model, {"dcp_size": 4, "lowering": "fx"})
     # TP 4 with a DCP group of 3 ranks: 3 does not divide 4 (the check itself: rank 3 is no member)
     three = dist.new_group([0, 1, 2])
     if rank < 3:
@@ -79,8 +89,19 @@ def _refused_rank(rank, world):
     return errors
 
 
-def test_tp_layouts_the_rewrite_cannot_run_are_refused_at_compile_time():
-    ranks = run_on_ranks(_refused_rank, 4, timeout=300)
+def _all_parts_rank(rank, world):
+    return {"groups": _groups_rank(rank, world), "dtensor": _dtensor_rank(rank, world),
+            "refused": _refused_rank(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Each rank's results of every part, from one launch of 4 ranks."""
+    return run_on_ranks(_all_parts_rank, 4, timeout=300)
+
+
+def test_tp_layouts_the_rewrite_cannot_run_are_refused_at_compile_time(ranks):
+    ranks = [r["refused"] for r in ranks]
     for rank, errors in enumerate(ranks):
         assert "the DCP group (global ranks" in errors["across"] and "is not part of the layer's TP group" \
             in errors["across"], (rank, errors["across"])
@@ -114,8 +135,8 @@ def _groups_rank(rank, world):
     return out
 
 
-def test_tp_dcp_groups_tile_the_world():
-    ranks = run_on_ranks(_groups_rank, 4)
+def test_tp_dcp_groups_tile_the_world(ranks):
+    ranks = [r["groups"] for r in ranks]
     assert ranks[2][4, 2] == ([0, 1, 2, 3], [2, 3]) and ranks[1][4, 4] == ([0, 1, 2, 3], [0, 1, 2, 3])
     assert ranks[3][2, 2] == ([2, 3], [2, 3]) and ranks[2][2, 1] == ([2, 3], [2])
     assert "tp_size=3 does not divide the world of 4 rank(s)" in ranks[0][3, 1]
@@ -141,7 +162,7 @@ def _dtensor_rank(rank, world):
 
     model = _DTensorScale(init_device_mesh("cpu", (world,)))
     out = {}
-    for dcp_size in (2, 1):
+    for dcp_size in (world, 1):
         torch._dynamo.reset()
         step = torch.compile(model, backend="dsa_dcp", options={"dcp_size": dcp_size, "lowering": "fx"},
                              fullgraph=True)
@@ -153,8 +174,9 @@ def _dtensor_rank(rank, world):
     return out
 
 
-def test_a_dcp_program_whose_parameters_are_dtensors_is_refused_at_compile_time():
-    for got in run_on_ranks(_dtensor_rank, 2, timeout=120):
-        assert "1 input(s) of the step are DTensors (l_self_parameters_scale_)" in got[2], got[2]
-        assert "DCP does not run inside DTensor tensor parallelism" in got[2], got[2]
+def test_a_dcp_program_whose_parameters_are_dtensors_is_refused_at_compile_time(ranks):
+    """A DCP group of the world's 4 ranks (dcp_size=4) whose parameter is a DTensor over them."""
+    for got in (r["dtensor"] for r in ranks):
+        assert "1 input(s) of the step are DTensors (l_self_parameters_scale_)" in got[4], got[4]
+        assert "DCP does not run inside DTensor tensor parallelism" in got[4], got[4]
         assert got[1] == [2.0] * 4  # dcp_size=1: no DCP, the model runs as written

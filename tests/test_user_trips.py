@@ -63,7 +63,9 @@ def test_each_compiled_graph_gets_a_line_with_its_time(capfd, monkeypatch):
     assert ends[0].endswith(" s") and " in " in ends[0]
     monkeypatch.setenv("DSA_DCP_QUIET", "1")
     torch._dynamo.reset()
+    quiet_cfg = get_config("glm5.2-tiny", n_layers=1)  # what is printed, not the model: one layer to trace
+    quiet_batch = standard_test_batch(quiet_cfg, max_new_tokens=1)
     with torch.no_grad():
-        generate(torch.compile(DSAModel(cfg, batch.num_slots), backend="dsa_dcp", options={"lowering": "fx"},
-                               fullgraph=True, dynamic=False), batch, 1)
+        generate(torch.compile(DSAModel(quiet_cfg, quiet_batch.num_slots), backend="dsa_dcp",
+                               options={"lowering": "fx"}, fullgraph=True, dynamic=False), quiet_batch, 1)
     assert "dsa_dcp: compil" not in capfd.readouterr().err
