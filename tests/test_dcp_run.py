@@ -25,7 +25,8 @@ def _tp_rank(rank, world):
 def _mtp_rank(rank, world):
     from dsa_dcp.bench.dcp_run import check_speculative
 
-    spec = RunSpec(device="cpu", merges=("a2a",), steps=4, tiny_only=True, lowering="fx", tiny_layers=2, mtp=2)
+    spec = RunSpec(device="cpu", merges=("a2a",), steps=4, tiny_only=True, lowering="fx", tiny_layers=2, mtp=2,
+                   kv_dtype="fp8")
     return list(check_speculative(rank, world, spec))
 
 
@@ -79,9 +80,11 @@ def test_run_script_topology_is_checked_against_the_world():
 
 
 def test_run_script_mtp_part_on_cpu_ranks():
-    """``--mtp K``: speculative decoding with the draft whole on every rank, against one rank."""
+    """``--mtp K --kv-dtype fp8``: speculative decoding with the draft whole on every rank, FP8 KV and
+    index keys, against one rank (the part without FP8: tests/test_mtp.py)."""
     for rows in run_on_ranks(_mtp_rank, 2):
-        assert [(r["merge"], r["draft_length"]) for r in rows] == [("a2a", 2)]
+        assert [(r["merge"], r["draft_length"], r["kv_dtype"], r["kv_cache_dtype"], r["index_cache_dtype"])
+                for r in rows] == [("a2a", 2, "fp8", "float8_e4m3fn", "float8_e4m3fn")]
         for r in rows:
             assert r["tokens_match"] and r["drafts_match"] and r["accepted_match"], r
             assert r["accept_length"] == r["ref_accept_length"] and 1 <= r["accept_length"] <= 3

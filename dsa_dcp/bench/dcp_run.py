@@ -25,6 +25,11 @@ rank:
    same model run single-device; drafted tokens, accepted counts, tokens and accept length must be
    the single-device run's, each rank's draft cache the same bytes as rank 0's.
 
+``--kv-dtype fp8`` gives the GLM-5.2-shaped models of the correctness, step latency and mtp parts
+FP8 E4M3 KV caches (per-tensor scale, written by ``kv_store``) and FP8 index keys with an fp32 scale
+a token (``DSAConfig.kv_dtype`` and ``index_key_dtype``, docs/models.md); the single-device
+reference is the same FP8 model, so DCP must still give its tokens. Rows gain a ``kv_dtype`` column.
+
 The topology: ``--tp T --dcp N`` runs the correctness and step latency parts on ``DSAModel``s that
 are tensor-parallel over TP groups of ``T`` ranks, compiled with DCP over groups of ``N`` ranks
 inside them (``dsa_dcp.topology.tp_dcp_groups``; ``--dcp`` defaults to ``T``), with
@@ -79,6 +84,21 @@ class RunSpec:
     dcp: int | None = None
     replicate_q: bool = True
     mtp: int | None = None  # draft length of the mtp part (None: the part does not run)
+    # the DSAModel parts' KV and index-key storage: None keeps the model's dtype; "fp8" stores the KV
+    # cache in E4M3 (per-tensor scale) and the index keys in E4M3 with a scale a token
+    kv_dtype: str | None = None
+
+    def fp8(self) -> dict:
+        """``get_config`` keywords for ``kv_dtype``."""
+        return {"kv_dtype": "fp8", "index_key_dtype": "fp8"} if self.kv_dtype == "fp8" else {}
+
+    def dtype_columns(self, model) -> dict:
+        """With ``kv_dtype``: it and the dtypes ``model``'s KV and index caches hold."""
+        if not self.kv_dtype:
+            return {}
+        index = next(iter(model.index_caches().values()))
+        return {"kv_dtype": self.kv_dtype, "kv_cache_dtype": str(model.kv_caches()[0].dtype).removeprefix("torch."),
+                "index_cache_dtype": str(index.dtype).removeprefix("torch.")}
 
     def dcp_size(self, world: int) -> int:
         return self.dcp if self.dcp is not None else (world if self.tp == 1 else self.tp)
@@ -161,11 +181,11 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     from dsa_dcp.models import DSAModel, generate, get_config, make_requests, standard_test_batch
     from dsa_dcp.slots import local_cache_rows
 
-    tiny = get_config("glm5.2-tiny", **({"n_layers": spec.tiny_layers} if spec.tiny_layers else {}))
+    tiny = get_config("glm5.2-tiny", **({"n_layers": spec.tiny_layers} if spec.tiny_layers else {}), **spec.fp8())
     configs = [("glm5.2-tiny", tiny)]
     if not spec.tiny_only:
         configs.insert(0, ("glm5.2 (real attention dims)", get_config(
-            "glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768, page_size=64)))
+            "glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768, page_size=64, **spec.fp8())))
     tp_group, dcp_group = _groups(spec, world)
     n = spec.dcp_size(world)
     for label, cfg in configs:
@@ -195,7 +215,7 @@ def check_correctness(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                                               **({"lowering": spec.lowering} if spec.lowering else {})})
                 out = generate(step, batch, spec.steps, pad_to=pad, device=spec.device)
                 row = {
-                    "model": label, "merge": merge, "N": n, **_topology_columns(spec),
+                    "model": label, "merge": merge, "N": n, **_topology_columns(spec), **spec.dtype_columns(model),
                     "tokens_match": out.tokens == ref.tokens,
                     "max_rel_logit_err": max(_relative_error(a, b) for a, b in zip(out.step_logits, ref.step_logits)),
                     "kv_rows_per_rank": model.kv_caches()[0].shape[0],
@@ -216,10 +236,12 @@ def check_speculative(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     from dsa_dcp.slots import local_cache_rows
 
     k = spec.mtp
-    configs = [("glm5.2-tiny + MTP", get_config("glm5.2-tiny", n_layers=spec.tiny_layers or 4, mtp_layers=1))]
+    configs = [("glm5.2-tiny + MTP", get_config("glm5.2-tiny", n_layers=spec.tiny_layers or 4, mtp_layers=1,
+                                                         **spec.fp8()))]
     if not spec.tiny_only:
         configs.insert(0, ("glm5.2 (real attention dims) + MTP", get_config(
-            "glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768, page_size=64, mtp_layers=1)))
+            "glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768, page_size=64, mtp_layers=1,
+            **spec.fp8())))
     for label, cfg in configs:
         lens = [3, 100, 2100] if cfg.index_topk > 64 else [3, cfg.index_topk - 1, 3 * cfg.index_topk]
         batch = make_requests(cfg, lens, max_new_tokens=spec.steps + k, prefill_chunk=512 if cfg.index_topk > 64 else 8,
@@ -243,11 +265,13 @@ def check_speculative(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                 out = generate_speculative(target, draft, batch, spec.steps, k, device=spec.device)
                 seconds = time.perf_counter() - start
                 draft_cache = model.draft_kv_cache()
+                if draft_cache.element_size() == 1:  # FP8: its bytes (gloo cannot send float8)
+                    draft_cache = draft_cache.view(torch.uint8)
                 # rank 0's draft cache, over the group's own device (NCCL: CUDA; gloo: the host)
                 first = draft_cache.to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
                 dist.broadcast(first, 0)
                 yield {
-                    "model": label, "merge": merge, "N": world, "draft_length": k,
+                    "model": label, "merge": merge, "N": world, "draft_length": k, **spec.dtype_columns(model),
                     "tokens_match": out.tokens == ref.tokens,
                     "drafts_match": out.drafts == ref.drafts, "accepted_match": out.accepted == ref.accepted,
                     "accept_length": out.accept_length, "ref_accept_length": ref.accept_length,
@@ -355,7 +379,7 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
     from dsa_dcp.models.runner import decode_step_inputs
     from dsa_dcp.models import DSAModel, get_config
 
-    cfg = get_config("glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768)
+    cfg = get_config("glm5.2", n_layers=spec.layers, intermediate_size=2048, vocab_size=32768, **spec.fp8())
     cpu_group = dist.new_group(backend="gloo")  # barriers that put no kernel in the profile
     host_barrier = lambda: dist.barrier(group=cpu_group)  # noqa: E731
     _release_compiled()  # what an earlier part compiled
@@ -382,7 +406,7 @@ def step_latency(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                 step(*inputs)
                 us = _median_call_us(lambda: step(*inputs))
                 row = {"batch": batch, "merge": {"stock": "stock dcp1", "single": "dcp1"}.get(merge, merge), "N": n,
-                       **_topology_columns(spec),
+                       **_topology_columns(spec), **spec.dtype_columns(model),
                        "index_cache": index_cache if n > 1 else "whole", "layers": spec.layers, "step_us": us}
                 if merge == "stock":
                     row |= _stock_kernel_split(model, inputs, host_barrier)
@@ -531,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --tp: hold the DCP group's query weights (default) or all-gather the query each layer")
     p.add_argument("--mtp", type=int, metavar="K",
                    help="also run the mtp part: speculative decoding with the MTP draft, draft length K")
+    p.add_argument("--kv-dtype", choices=["fp8"],
+                   help="the GLM-5.2-shaped models' KV cache and index keys (correctness, latency and mtp parts; "
+                        "default: the model's dtype): fp8 stores E4M3 KV (per-tensor scale) and E4M3 index keys "
+                        "with a scale a token; the transformers part keeps its checkpoints' cache")
     p.add_argument("--json")
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
     args = p.parse_args(argv)
@@ -560,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = RunSpec(device=args.device, merges=tuple(merges), layers=args.layers, batches=tuple(args.batches),
                    steps=args.steps, tiny_only=args.device == "cpu", lowering=args.lowering,
                    index_caches=tuple(args.index_caches), cuda_graphs=False if host_collectives else None,
-                   tp=args.tp, dcp=args.dcp, replicate_q=args.replicate_q, mtp=args.mtp)
+                   tp=args.tp, dcp=args.dcp, replicate_q=args.replicate_q, mtp=args.mtp,
+                   kv_dtype=args.kv_dtype)
     if args.device == "cuda":
         spec = dataclasses.replace(spec, device=f"cuda:{torch.cuda.current_device()}")
     written = {}
