@@ -52,15 +52,21 @@ from ._common import (
 from .index_scores import candidate_slots
 from .topk_remap import _owned, topk_remap_reference
 
-RADIX = 256  # 8-bit digits: four passes over a 32-bit key
+RADIX = 256  # 8-bit digits: four passes over a 32-bit key (the row and chunked paths)
+# The resident path's digits: 4 bits, eight passes over its register tensor. tl.histogram costs, per
+# 32 keys, a ballot per bit of the bin and a popcount per bin a lane owns, so 16 bins cost far less
+# a pass than 256; the resident row is in registers, so the extra passes read nothing. On an H200
+# (K = 2048, in a CUDA graph, fp32 randn scores) 4-bit digits against 8-bit: batch 1 / 4K 7.7
+# against 9.4 us, batch 1 / 8K 14.0 against 19.8, batch 128 / 8K 18.0 against 24.8, batch 128 / 16K
+# 32.6 against 42.8.
+RESIDENT_BITS = 4
 # The resident path (one program holds its whole row in registers) is the default for one program
-# a row up to RESIDENT_MAX candidates. On an H200 (K = 2048, in a CUDA graph) it took 10.4 us at
-# batch 1 / 4K against 15.5 us for the tiled row kernel, and 48 us at batch 128 / 16K against 81;
-# at 32K it is slower than the row kernel's chunked passes. A single long row is split over
-# programs (``_default_chunks``) before it reaches this bound. ``path="resident"`` runs it up to
-# RESIDENT_LIMIT (where its packed 16-bit counts end).
-RESIDENT_MAX = 16384
-RESIDENT_LIMIT = 32768
+# a row up to RESIDENT_MAX candidates, where its packed 16-bit counts end. On an H200 (K = 2048,
+# in a CUDA graph, 4-bit digits) it took 8.5 us at batch 1 / 4K against 15.6 us for the tiled row
+# kernel, 34.2 us at batch 128 / 16K against 81, and 82.7 us at batch 128 / 32K against 146.3. A
+# single long row is split over programs (``_default_chunks``) before it gets one program.
+RESIDENT_MAX = 32768
+RESIDENT_LIMIT = RESIDENT_MAX
 PATHS = ("resident", "row", "chunked")
 
 _SELECT = "topk_select"
@@ -158,16 +164,16 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _advance(hist, prefix, need, PASS: tl.constexpr):
-    """One digit of the search from the pass's histogram: (prefix, need, done)."""
-    bins = tl.arange(0, 256)
+def _advance(hist, prefix, need, PASS: tl.constexpr, BITS: tl.constexpr = 8):
+    """One digit of the search from the pass's histogram of ``BITS``-bit digits: (prefix, need, done)."""
+    bins = tl.arange(0, 1 << BITS)
     at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= bin
     digit = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
     above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
     in_bin = tl.sum(tl.where(bins == digit, hist, 0), axis=0)
-    prefix = (prefix << 8) | digit.to(tl.uint32)
+    prefix = (prefix << BITS) | digit.to(tl.uint32)
     need = need - above
-    done = ((need == in_bin) & (prefix != 0)) | (PASS == 3)
+    done = ((need == in_bin) & (prefix != 0)) | (PASS == 32 // BITS - 1)
     return prefix, need, done
 
 
@@ -309,36 +315,37 @@ def _topk_row_kernel(
 def _topk_resident_kernel(
     scores_ptr, out_ptr, count_ptr, pt_ptr, req_ptr, C, K, R, RANK, stride_s, stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
-    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
 ):
     """Grid (T,): one program selects a whole row held in registers (BLOCK >= C).
 
     The row is read once and its keys computed once; each radix pass is one histogram of the
-    register tensor (stopping as the other paths do), and one scan of packed counts (keys above
-    the threshold in the high 16 bits, equal to it in the low 16) gives every selected key its
-    output column: the keys above it before it, plus its rank among the equal ones. Out-of-range
-    lanes (and every lane of a row without a request) load ``-inf``: key 0, which no pass
-    selects, so only the load is masked."""
+    register tensor over a ``BITS``-bit digit (``RESIDENT_BITS``; stopping as the other paths do),
+    and one scan of packed counts (keys above the threshold in the high 16 bits, equal to it in the
+    low 16) gives every selected key its output column: the keys above it before it, plus its rank
+    among the equal ones. Out-of-range lanes (and every lane of a row without a request) load
+    ``-inf``: key 0, which no pass selects, so only the load is masked."""
     t = tl.program_id(0).to(tl.int64)
     page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
     need = _row_need(req_ptr, t, C, K, R, HAS_PT)
     offs = tl.arange(0, BLOCK)
     inr = tl.where(need > 0, offs < C, False)
     key = _ordered_key(tl.load(scores_ptr + t * stride_s + offs, mask=inr, other=float("-inf")).to(tl.float32))
+    PASSES: tl.constexpr = 32 // BITS
     prefix = tl.cast(0, tl.uint32)
     level = tl.cast(0, tl.int32)
     done = need == 0
-    for d in tl.static_range(4):
+    for d in tl.static_range(PASSES):
         if not done:
-            digit = ((key >> (24 - 8 * d)) & 0xFF).to(tl.int32)
+            digit = ((key >> (32 - BITS * (d + 1))) & ((1 << BITS) - 1)).to(tl.int32)
             if d == 0:
-                hist = tl.histogram(digit, 256)
+                hist = tl.histogram(digit, 1 << BITS)
             else:
-                hist = tl.histogram(digit, 256, mask=(key >> (32 - 8 * d)) == prefix)
-            prefix, need, done = _advance(hist, prefix, need, d)
+                hist = tl.histogram(digit, 1 << BITS, mask=(key >> (32 - BITS * d)) == prefix)
+            prefix, need, done = _advance(hist, prefix, need, d, BITS)
             level = tl.cast(d, tl.int32)
-    need = tl.where((level == 3) & (prefix == 0), 0, need)  # the bin of -inf: none of it
-    top = key >> (24 - 8 * level).to(tl.uint32)
+    need = tl.where((level == PASSES - 1) & (prefix == 0), 0, need)  # the bin of -inf: none of it
+    top = key >> (32 - BITS * (level + 1)).to(tl.uint32)
     gt = (top > prefix).to(tl.uint32)
     eq = (top == prefix).to(tl.uint32)
     packed = tl.cumsum((gt << 16) | eq, axis=0)  # inclusive; C <= RESIDENT_LIMIT = 2**15: no carry, no wrap
@@ -497,10 +504,12 @@ def _default_chunks(T: int, C: int, device: torch.device) -> int:
 
 
 def _resident_warps(block: int) -> int:
-    """Warps of the resident kernel: 4 up to 2048 candidates, 8 up to 4096, 16 above. Measured on
-    an H200 at batch 1 (us, K = 2048, 4 / 8 / 16 / 32 warps): 4K 12.7 / 10.2 / 11.7 / 14.2,
-    8K 49.1 / 26.0 / 22.1 / 28.3, 16K 127 / 55.1 / 39.2 / 42.3."""
-    return 4 if block <= 2048 else 8 if block <= 4096 else 16
+    """Warps of the resident kernel (4-bit digits): 4 up to 4096 candidates, 8 up to 8192, 16 up to
+    16384, 32 above. Measured on an H200 (us, K = 2048; batch 1 and batch 128): 4 / 8 / 16 warps at
+    4K 7.7 / 7.9 / 8.5 and 11.4 / 10.9 / 11.2, 8 / 16 / 32 warps at 8K 14.0 / 16.3 / 17.5 and
+    18.0 / 20.9 / 22.1, at 16K 35.2 / 25.5 / 31.1 and 41.8 / 32.6 / 39.9, at 32K (batch 128)
+    172.8 / 108.0 / 82.7."""
+    return 4 if block <= 4096 else 8 if block <= 8192 else 16 if block <= 16384 else 32
 
 
 def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=None, block=None, num_warps=None,
@@ -539,7 +548,8 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         res = max(next_pow2(C), 16)
         _topk_resident_kernel[(T,)](
             scores, out, count, pt, req, C, k, rows, rank, scores.stride(0), stride_pt, out.stride(0),
-            **common, BLOCK=res, TAIL=max(res, min(next_pow2(k), 2048)), num_warps=num_warps or _resident_warps(res),
+            **common, BLOCK=res, TAIL=max(res, min(next_pow2(k), 2048)), BITS=RESIDENT_BITS,
+            num_warps=num_warps or _resident_warps(res),
         )  # fmt: skip
         return out, count
     interpreted = is_interpreted(_topk_row_kernel)
