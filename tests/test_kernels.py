@@ -463,6 +463,42 @@ def test_sparse_mla_fp8_kv(q_dtype, block_h, block_k, num_splits, key_major, dc_
         assert (o[0] == 0).all() and torch.isneginf(lz[0]).all(), f"{what}: a row with no slot"
 
 
+def test_sparse_mla_shrinks_tiles_that_do_not_fit_shared_memory(monkeypatch):
+    """fp32 queries over FP8 KV with a 16-bit table's tiles overflowed an H200's shared memory
+    (242,048 bytes against 232,448): the launcher drops pipeline stages, then halves block_k, and
+    gives the same result; ``fit=False`` raises. The device's limit is played by a launch that
+    refuses tiles over a budget."""
+    from triton.runtime.errors import OutOfResources
+
+    q_nope, q_pe, kv_real, topk = _random_mla(_gen("mla-fit"), 2, 4, 40, 60, 32, 8, torch.float32)
+    kv_scale = float(kv_real.abs().amax()) / 448.0
+    kv8 = (kv_real / kv_scale).to(torch.float8_e4m3fn)
+    exp_out, exp_lse = _brute_mla(q_nope, q_pe, kv8.double() * kv_scale, topk, 0.5)
+    args = [t.to(DEVICE) for t in (q_nope, q_pe, kv8, topk)]
+    real, tried = sparse_mla_mod._launch_sparse_mla, []
+
+    def small_device(*a):
+        bk, stages = a[9], a[11]
+        tried.append((stages, bk))
+        if stages * bk > 16:  # the stand-in for the shared memory a tile takes
+            raise OutOfResources(stages * bk, 16, "shared memory")
+        return real(*a)
+
+    monkeypatch.setattr(sparse_mla_mod, "_launch_sparse_mla", small_device)
+    out, lse = sparse_mla_mod.sparse_mla_triton(*args, 0.5, kv_scale, block_h=16, block_k=32, num_stages=3)
+    assert tried == [(3, 32), (2, 32), (1, 32), (1, 16)]
+    assert_close(out, exp_out, RTOL[torch.float32], "out")
+    assert_close(lse, exp_lse, 1e-5, "lse")
+    tried.clear()
+    with pytest.raises(OutOfResources):
+        sparse_mla_mod.sparse_mla_triton(*args, 0.5, kv_scale, block_h=16, block_k=32, fit=False)
+    assert tried == [(3, 32)]
+    monkeypatch.setattr(sparse_mla_mod, "_launch_sparse_mla",
+                        lambda *a: (_ for _ in ()).throw(OutOfResources(1, 0, "shared memory")))
+    with pytest.raises(OutOfResources):  # nothing left to shrink: the device's error
+        sparse_mla_mod.sparse_mla_triton(*args, 0.5, kv_scale, block_h=16, block_k=32)
+
+
 def test_sparse_mla_key_major_needs_the_tensor_core_path():
     args = [t.to(DEVICE) for t in _random_mla(_gen("mla-km"), 2, 2, 4, 10, 16, 8, torch.float32)]
     with pytest.raises(ValueError, match="key_major needs the tensor-core path"):

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ._common import (
     TRITON_FLOAT_DTYPES,
@@ -380,6 +381,7 @@ def sparse_mla_triton(
     key_major: bool | None = None,
     dc_split: int | None = None,
     pe: torch.Tensor | None = None,
+    fit: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton sparse MLA decode (see module docstring); grid (B, ceil(H / BLOCK_H) * dc_split, splits).
 
@@ -400,6 +402,11 @@ def sparse_mla_triton(
     gives each head block two programs, each owning half of the Dc output columns (an fp32
     accumulator half the size) and each computing the whole score tile (the score product is
     done twice). No host sync.
+
+    ``fit``: tiles that need more shared memory than the device has (the measured table's tiles
+    are for 16-bit queries; fp32 queries over FP8 KV widen both operands to fp32) are shrunk, one
+    pipeline stage at a time down to one, then by halving ``block_k`` down to 16: the same result,
+    slower. ``fit=False`` raises Triton's ``OutOfResources`` instead (tile sweeps).
     """
     if pe is not None:  # checked as the pool [S, Dc + Dr] they are together
         if pe.dim() != 2 or kv.dim() != 2 or pe.shape[0] != kv.shape[0] or pe.dtype != kv.dtype \
@@ -443,6 +450,24 @@ def sparse_mla_triton(
         raise ValueError(f"{_OP}: dc_split must be 1 or 2, got {dc_split}")
     if dc_split == 2 and key_major:
         raise ValueError(f"{_OP}: dc_split=2 is for the head-major products, not key_major")
+    stages = num_stages or 3
+    while True:
+        try:
+            return _launch_sparse_mla(q_nope, q_pe, kv, pe, topk, sm_scale, kv_scale, block_scales, bh, bk, warps,
+                                      stages, num_splits, key_major, dc_split)
+        except OutOfResources:
+            if not fit or (stages == 1 and bk <= 16):
+                raise
+            stages, bk = (stages - 1, bk) if stages > 1 else (stages, bk // 2)
+
+
+def _launch_sparse_mla(q_nope, q_pe, kv, pe, topk, sm_scale, kv_scale, block_scales, bh, bk, warps, num_stages,
+                       num_splits, key_major, dc_split):
+    """One launch of :func:`sparse_mla_triton` with its tiles settled."""
+    B, H, Dc = q_nope.shape
+    Dr = q_pe.shape[2]
+    K = topk.shape[1]
+    device = q_nope.device
     head_blocks = cdiv(H, bh)
     splits = num_splits or _default_splits(B * head_blocks * dc_split, K, bk, device)
     split_len = cdiv(cdiv(K, splits), bk) * bk  # whole K tiles per split
@@ -489,7 +514,7 @@ def sparse_mla_triton(
         DC=Dc, DR=Dr, BLOCK_H=bh, BLOCK_K=bk, BLOCK_DV=block_dv, BLOCK_DR=block_dr, DC_SPLIT=dc_split,
         USE_DOT=use_dot, DOT_DTYPE=dot_dtype, DOT_IEEE=bool(dot_dtype == tl.float32),
         UPCAST=interpreted or not use_dot, Q_PRESCALE=q_prescale != 1.0, KEY_MAJOR=key_major,
-        BLOCK_SCALES=block_scales is not None, num_warps=warps, num_stages=num_stages or 3,
+        BLOCK_SCALES=block_scales is not None, num_warps=warps, num_stages=num_stages,
     )  # fmt: skip
     if splits == 1:
         return out, lse
