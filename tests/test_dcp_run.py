@@ -2,7 +2,7 @@
 
 import pytest
 
-from dsa_dcp.bench.dcp_run import RunSpec, check_correctness, check_transformers, topology_problem
+from dsa_dcp.bench.dcp_run import RunSpec, check_correctness, check_transformers, failed_checks, topology_problem
 from dsa_dcp.launch import run_on_ranks
 
 pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
@@ -91,6 +91,17 @@ def test_run_script_mtp_part_on_cpu_ranks():
             assert r["max_rel_logit_err"] < 1e-5, r
             assert r["kv_rows_per_rank"] == r["kv_rows_expected"]
             assert r["draft_kv_rows"] == r["draft_kv_rows_expected"] and r["draft_cache_same_as_rank0"]
+
+
+def test_failed_checks_name_the_part_row_and_check():
+    """What rank 0 prints for every rank (a rank whose own rows fail fails the run everywhere)."""
+    good = {"tokens_match": True, "drafts_match": True, "accepted_match": True, "draft_cache_same_as_rank0": True,
+            "kv_rows_per_rank": 4, "kv_rows_expected": 4, "model": "m", "merge": "a2a"}
+    results = {"correctness": [dict(good), dict(good, fused_kernel=False)],
+               "mtp": [dict(good, draft_cache_same_as_rank0=False, kv_rows_per_rank=5)], "transformers": [{}]}
+    assert failed_checks(results) == ["correctness row 1 (m, a2a): fused_kernel",
+                                      "mtp row 0 (m, a2a): draft_cache_same_as_rank0", "mtp row 0 (m, a2a): kv_rows"]
+    assert failed_checks({"correctness": [good], "mtp": [good]}) == []
 
 
 def test_step_kernel_time_is_split_by_what_dcp_adds():

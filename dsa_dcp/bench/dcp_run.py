@@ -521,6 +521,25 @@ def run(rank: int, world: int, spec: RunSpec, parts: tuple[str, ...] = PARTS, re
     return results
 
 
+# What a row must show, by part: name -> the check (rank 0 prints every rank's failures).
+CHECKS = {
+    "correctness": {"tokens_match": lambda r: r["tokens_match"],
+                    "kv_rows": lambda r: r["kv_rows_per_rank"] == r["kv_rows_expected"],
+                    "fused_kernel": lambda r: r.get("fused_kernel", True)},
+    "mtp": {"tokens_match": lambda r: r["tokens_match"], "drafts_match": lambda r: r["drafts_match"],
+            "accepted_match": lambda r: r["accepted_match"],
+            "draft_cache_same_as_rank0": lambda r: r["draft_cache_same_as_rank0"],
+            "kv_rows": lambda r: r["kv_rows_per_rank"] == r["kv_rows_expected"]},
+}
+
+
+def failed_checks(results: dict) -> list[str]:
+    """``"part row i (model, merge): check"`` for every check a row of ``results`` fails."""
+    return [f"{part} row {i} ({row.get('model')}, {row.get('merge')}): {name}"
+            for part, checks in CHECKS.items() for i, row in enumerate(results.get(part, []))
+            for name, check in checks.items() if not check(row)]
+
+
 def _table(rows: list[dict]) -> str:
     if not rows:
         return "(none)"
@@ -608,10 +627,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, rows in results.items():
             where = f"TP {spec.tp}, N = {spec.dcp_size(world)}" if spec.tp > 1 else f"N = {world}"
             print(f"\n{name} ({where})\n{_table(rows)}")
-    ok = all(r["tokens_match"] and r["kv_rows_per_rank"] == r["kv_rows_expected"] and r.get("fused_kernel", True)
-             for r in results.get("correctness", []))
-    ok = ok and all(r["tokens_match"] and r["drafts_match"] and r["accepted_match"] and r["draft_cache_same_as_rank0"]
-                    and r["kv_rows_per_rank"] == r["kv_rows_expected"] for r in results.get("mtp", []))
+    # every rank's failed checks, printed by rank 0; the run fails on every rank if one failed
+    failed = [None] * world
+    dist.all_gather_object(failed, failed_checks(results))
+    if rank == 0:
+        for r, checks in enumerate(failed):
+            for check in checks:
+                print(f"FAILED on rank {r}: {check}", flush=True)
+    ok = not any(failed)
     dist.barrier()
     if args.device == "cuda" and "latency" in parts:
         # On two H200s (torch 2.11, NCCL 2.28.9) both ranks hung in destroy_process_group after
