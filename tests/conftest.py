@@ -14,18 +14,20 @@ if not _cuda:
 import pytest  # noqa: E402
 
 
-# On 4 or more cores the suite runs on worker processes (pytest-xdist, in the `test` extra), one
-# test file per worker at a time, a worker per two cores up to 4 (the multi-rank tests start
-# processes of their own). On 2 cores two workers bought nothing measurable: 1,547 s against
-# 1,601 s serially on the same machine (and 1,213 s once), with 20% more CPU time. Not on a CUDA
-# machine (the GPU tests share one GPU). `-n 0` (or DSA_DCP_TEST_WORKERS=0) runs it in this
-# process, `-n N` or DSA_DCP_TEST_WORKERS=N on N workers.
+# On 2 or more cores the suite runs on worker processes (pytest-xdist, in the `test` extra), one
+# test file per worker at a time: two workers, or a worker per two cores up to 4 on more (the
+# multi-rank tests start processes of their own). On this project's 2-core machine, the same tree
+# the same day: 793 s and 935 s on two workers against 1,048 s in one process (the serial run keeps
+# a core idle while a test waits on its ranks, a timeout or a compile). Not on a CUDA machine (the GPU
+# tests share one GPU). `-n 0` (or DSA_DCP_TEST_WORKERS=0) runs it in this process, `-n N` or
+# DSA_DCP_TEST_WORKERS=N on N workers.
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     if not hasattr(config.option, "numprocesses") or config.option.numprocesses is not None or _cuda \
             or "PYTEST_XDIST_WORKER" in os.environ:  # a worker runs its tests itself
         return
-    workers = int(os.environ.get("DSA_DCP_TEST_WORKERS", min(4, (os.cpu_count() or 1) // 2)))
+    cores = os.cpu_count() or 1
+    workers = int(os.environ.get("DSA_DCP_TEST_WORKERS", 1 if cores < 2 else min(4, max(2, cores // 2))))
     if workers > 1 and config.option.dist == "no" and not config.getoption("usepdb", False):
         config.option.numprocesses, config.option.dist = workers, "loadfile"
 
