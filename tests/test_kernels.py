@@ -485,10 +485,14 @@ def test_sparse_mla_shrinks_tiles_that_do_not_fit_shared_memory(monkeypatch):
         return real(*a)
 
     monkeypatch.setattr(sparse_mla_mod, "_launch_sparse_mla", small_device)
+    monkeypatch.setattr(sparse_mla_mod, "_FITTED", {})
     out, lse = sparse_mla_mod.sparse_mla_triton(*args, 0.5, kv_scale, block_h=16, block_k=32, num_stages=3)
     assert tried == [(3, 32), (2, 32), (1, 32), (1, 16)]
     assert_close(out, exp_out, RTOL[torch.float32], "out")
     assert_close(lse, exp_lse, 1e-5, "lse")
+    tried.clear()
+    again, _ = sparse_mla_mod.sparse_mla_triton(*args, 0.5, kv_scale, block_h=16, block_k=32, num_stages=3)
+    assert tried == [(1, 16)] and torch.equal(again, out)  # the fitted tiles remembered: one launch
     tried.clear()
     with pytest.raises(OutOfResources):
         sparse_mla_mod.sparse_mla_triton(*args, 0.5, kv_scale, block_h=16, block_k=32, fit=False)

@@ -450,15 +450,26 @@ def sparse_mla_triton(
         raise ValueError(f"{_OP}: dc_split must be 1 or 2, got {dc_split}")
     if dc_split == 2 and key_major:
         raise ValueError(f"{_OP}: dc_split=2 is for the head-major products, not key_major")
-    stages = num_stages or 3
+    asked = (num_stages or 3, bk)
+    # the tiles that fit, remembered so an oversize request fails once, not on every call
+    key = (asked, bh, warps, key_major, dc_split, q_nope.dtype, kv.dtype, block_scales is not None,
+           q_nope.shape[2], q_pe.shape[2], device)
+    stages, bk = _FITTED.get(key, asked) if fit else asked
     while True:
         try:
-            return _launch_sparse_mla(q_nope, q_pe, kv, pe, topk, sm_scale, kv_scale, block_scales, bh, bk, warps,
-                                      stages, num_splits, key_major, dc_split)
+            out = _launch_sparse_mla(q_nope, q_pe, kv, pe, topk, sm_scale, kv_scale, block_scales, bh, bk, warps,
+                                     stages, num_splits, key_major, dc_split)
         except OutOfResources:
             if not fit or (stages == 1 and bk <= 16):
                 raise
             stages, bk = (stages - 1, bk) if stages > 1 else (stages, bk // 2)
+            continue
+        if (stages, bk) != asked:
+            _FITTED[key] = (stages, bk)
+        return out
+
+
+_FITTED: dict = {}  # sparse_mla_triton's shrunk tiles: launch key -> (num_stages, block_k) that fit
 
 
 def _launch_sparse_mla(q_nope, q_pe, kv, pe, topk, sm_scale, kv_scale, block_scales, bh, bk, warps, num_stages,
