@@ -212,10 +212,23 @@ class DCPOptions:
         return p
 
     def inductor_config(self) -> dict[str, Any]:
-        """Inductor config patches for the ``inductor`` lowering (what ``mode`` asks of it)."""
+        """Inductor config patches for the ``inductor`` lowering (what ``mode`` asks of it).
+
+        Over a group of more than one rank, Inductor's deterministic mode as well: it skips the
+        on-device benchmarking whose choice changes numerics (a reduction's block sizes), so every
+        rank computes the values the ranks replicate (the merged hidden state, the logits, a
+        draft's cache) bit for bit alike. Each rank benchmarking on its own picks by timing noise,
+        and two ranks that round a hidden state differently write different draft-cache rows or,
+        on a near tie, decode different tokens.
+        """
+        import torch._inductor.config as inductor  # torch's own import, kept off this module's
+
+        config: dict[str, Any] = {}
         if self.mode in _AUTOTUNE_MODES:
-            return {"max_autotune": True, "coordinate_descent_tuning": True}
-        return {}
+            config.update(max_autotune=True, coordinate_descent_tuning=True)
+        if self.dcp_size > 1 and hasattr(inductor, "deterministic"):
+            config["deterministic"] = True
+        return config
 
     def cache_key(self) -> str:
         """A digest of everything that changes the compiled graph (the group by its size/name)."""

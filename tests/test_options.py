@@ -101,6 +101,18 @@ def test_each_mode_maps_to_options(mode, lowering, cuda_graphs, inductor):
     assert opts.cache_key() != DCPOptions.parse({}).cache_key() or mode == "default"
 
 
+@pytest.mark.parametrize("mode", ["default", "max-autotune"])
+def test_a_group_of_ranks_asks_inductor_for_deterministic_choices(mode):
+    """Over a group, Inductor must not pick a reduction's tiling by each rank's own timing: ranks
+    would round the values they replicate (hidden states, logits, a draft's cache) differently."""
+    import torch._inductor.config as inductor
+
+    alone, group = DCPOptions.parse({"mode": mode}), DCPOptions.parse({"mode": mode, "dcp_size": 2})
+    assert "deterministic" not in alone.inductor_config()
+    assert group.inductor_config().get("deterministic") is (True if hasattr(inductor, "deterministic") else None)
+    assert {k: v for k, v in group.inductor_config().items() if k != "deterministic"} == alone.inductor_config()
+
+
 def test_compile_refuses_a_misspelled_option_before_tracing():
     calls = []
 
