@@ -1,10 +1,15 @@
 """Run a function on N ranks: N CPU processes over gloo here, or the ranks ``torchrun`` started.
 
 ``run_on_ranks(fn, n, *args)`` is the one place that spawns ranks for tests and the demo: it starts
-``n`` processes (spawn), initializes a gloo process group in each, calls ``fn(rank, n, *args)``,
-and returns the ranks' results in rank order. The processes are started with ``spawn``, which
-imports the caller's main module in each: a script that calls ``run_on_ranks`` must do so under
-``if __name__ == "__main__":``.
+``n`` processes, initializes a gloo process group in each, calls ``fn(rank, n, *args)``, and
+returns the ranks' results in rank order. The processes are started by multiprocessing's
+``forkserver`` (``spawn`` where the platform has none): a server process imports torch and
+dsa_dcp once, and each rank is a fork of it, so a rank starts in a fraction of a second instead of
+importing torch again. A rank runs with the caller's environment variables and writes to the
+caller's standard output and error as they are when it starts, as a spawned rank does (what was
+read while importing stays as the server read it, when it first started). Either
+way each rank imports the caller's main module again: a script that calls ``run_on_ranks`` must
+do so under ``if __name__ == "__main__":``.
 
 The group's store (a ``TCPStore``) is served by rank 0 on the loopback interface only
 (127.0.0.1), from a socket rank 0 binds to port 0 itself and hands to the store, so no other
@@ -29,8 +34,10 @@ import io
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
+from multiprocessing import reduction
 from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
@@ -99,7 +106,43 @@ def _send(conn, msg) -> None:
         pass
 
 
-def _rank_main(fn, rank, world_size, port_cell, args, conn, collective_timeout, before_join):
+def _start_method():
+    """multiprocessing's context for ranks: ``forkserver`` where there is one, with torch and
+    dsa_dcp imported in the server before it forks (see the module docstring), else ``spawn``."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "dsa_dcp"])  # no effect once the server runs
+    return ctx
+
+
+class _CallersSurroundings:
+    """What a rank takes from its caller as it starts (``take()``, first thing in the rank): the
+    environment variables and standard output and error (file descriptors 1 and 2). A spawned rank
+    has them anyway; a forked one would have the server's, from whenever the server started."""
+
+    def __init__(self, forked: bool, environ: dict[str, str] | None = None, fds=()):
+        self.forked, self.environ, self.fds = forked, dict(os.environ) if environ is None else environ, fds
+
+    def __reduce__(self):  # pickled as the rank starts: the descriptors travel with it
+        fds = tuple(reduction.DupFd(fd) for fd in (1, 2)) if self.forked else ()
+        return type(self), (self.forked, self.environ, fds)
+
+    def take(self) -> None:
+        if not self.forked:
+            return
+        os.environ.clear()
+        os.environ.update(self.environ)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, fd in zip((1, 2), self.fds):
+            source = fd.detach()
+            os.dup2(source, target)
+            os.close(source)
+
+
+def _rank_main(fn, rank, world_size, port_cell, args, conn, collective_timeout, before_join, surroundings):
+    surroundings.take()
     torch.set_num_threads(1)
     try:
         if before_join is not None:
@@ -338,7 +381,7 @@ def run_on_ranks(
         collective_timeout = min(timeout, DEFAULT_COLLECTIVE_TIMEOUT_S)
     if collective_timeout <= 0:
         raise ValueError(f"collective_timeout must be > 0 seconds, got {collective_timeout}")
-    ctx = mp.get_context("spawn")
+    ctx = _start_method()
     port_cell = ctx.Value("i", 0, lock=False)  # rank 0 writes its store's port here, once
     procs, conns = [], []
     try:
@@ -346,7 +389,8 @@ def run_on_ranks(
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_rank_main,
-                args=(fn, r, world_size, port_cell, args, child_end, collective_timeout, before_join),
+                args=(fn, r, world_size, port_cell, args, child_end, collective_timeout, before_join,
+                      _CallersSurroundings(ctx.get_start_method() == "forkserver")),
                 daemon=True,
             )
             p.start()
@@ -423,9 +467,10 @@ def stop_kept_ranks() -> None:
         _pools.popitem()[1].stop()
 
 
-def _pooled_rank_main(rank, world_size, port_cell, conn, collective_timeout):
+def _pooled_rank_main(rank, world_size, port_cell, conn, collective_timeout, surroundings):
     """A kept rank: joins the store once, then runs each ``("run", fn, args)`` it is sent in a
     process group of its own, until ``("stop",)``."""
+    surroundings.take()
     torch.set_num_threads(1)
     seed = torch.initial_seed()  # what a new process starts its generator with
     store = _store(rank, world_size, port_cell, collective_timeout)
@@ -463,13 +508,14 @@ class _RankPool:
     """``world_size`` kept ranks (``keep_ranks``)."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = _start_method()
         port_cell = ctx.Value("i", 0, lock=False)
         self.world_size, self.procs, self.conns = world_size, [], []
         for r in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_pooled_rank_main, daemon=True,
-                            args=(r, world_size, port_cell, child_end, DEFAULT_COLLECTIVE_TIMEOUT_S))
+                            args=(r, world_size, port_cell, child_end, DEFAULT_COLLECTIVE_TIMEOUT_S,
+                                  _CallersSurroundings(ctx.get_start_method() == "forkserver")))
             p.start()
             child_end.close()
             self.procs.append(p)

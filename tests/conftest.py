@@ -1,5 +1,10 @@
 import os
 
+# Inductor compiles in this process and in each rank, one kernel after another: its pool of compile
+# workers (one new process per compiling process, importing torch again) costs more CPU than it
+# saves when the suite's workers and ranks already keep every core busy. Ranks and scripts the
+# tests start inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Triton kernels run under the interpreter on CPU-only machines; it must be set before any
 # kernel is defined.
 try:
