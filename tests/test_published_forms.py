@@ -11,12 +11,10 @@ from dsa_dcp.launch import run_on_ranks
 
 pytestmark = pytest.mark.usefixtures("kept_ranks")  # many short gloo runs: kept ranks (conftest.py)
 
-FORMS = {
-    "cache_cast_float": {"cache_cast": "float"},
-    "cache_cast_to": {"cache_cast": "to"},
+FORMS = {  # the forms that can meet in one model do (a compile a model on every rank)
+    "cache_cast_float+softmax_cast": {"cache_cast": "float", "softmax_cast": True},
+    "cache_cast_to+mask_out_of_place": {"cache_cast": "to", "mask_add": "out_of_place"},
     "cache_cast_type_as": {"cache_cast": "type_as"},
-    "softmax_cast": {"softmax_cast": True},
-    "mask_out_of_place": {"mask_add": "out_of_place"},
     "topk_break_assert": {"topk_break": "assert"},
     "topk_break_broadcast": {"topk_break": "broadcast"},
 }
@@ -63,7 +61,7 @@ def _rank(rank, world, names):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_published_forms_match_single_rank(world):
-    names = list(FORMS) if world == 2 else ["cache_cast_float", "topk_break_broadcast"]
+    names = list(FORMS) if world == 2 else ["cache_cast_float+softmax_cast", "topk_break_broadcast"]
     refs = {name: _generate(_model(FORMS[name], 0)) for name in names}
     for rank, results in enumerate(run_on_ranks(_rank, world, names, timeout=600)):
         for name in names:
