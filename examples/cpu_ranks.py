@@ -43,7 +43,7 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=4, help="layers to build (0: the config's own count)")
     parser.add_argument("--steps", type=int, default=4, help="tokens to generate per request")
     args = parser.parse_args(argv)
-    # run_on_ranks starts one process per rank ("spawn": each imports this file again, which is
+    # run_on_ranks starts one process per rank (each imports this file again, which is
     # why everything that runs here sits under `if __name__ == "__main__":` below) and returns
     # rank_main's results in rank order; a rank that fails raises RankError with its traceback.
     results = run_on_ranks(rank_main, args.ranks, args.model, args.layers, args.steps, args.merge)

@@ -51,7 +51,7 @@ def main(argv=None):
     parser.add_argument("--merge", default="a2a", choices=["ag", "a2a", "ag_rs", "fused_a2a"])
     parser.add_argument("--tokens", type=int, default=3, help="tokens to generate per request")
     args = parser.parse_args(argv)
-    # run_on_ranks spawns one process per rank, each importing this file again: keep the work
+    # run_on_ranks starts one process per rank, each importing this file again: keep the work
     # under `if __name__ == "__main__":`
     r0 = run_on_ranks(rank_main, args.ranks, args.model, args.merge, args.tokens)[0]
     print(f"{args.model} over {args.ranks} CPU ranks, merge={args.merge}: tokens match the single rank: "

@@ -77,7 +77,7 @@ class RunSpec:
     lowering: str | None = None  # None: the backend's default (Inductor)
     index_caches: tuple[str, ...] = ("replicated", "sharded")  # step latency: DCP rows for each
     cuda_graphs: bool | None = None  # transformers part: None, the backend's default (graphs on CUDA)
-    tiny_layers: int | None = None  # the tiny config's layers (None: all 78 of glm5.2-tiny)
+    tiny_layers: int | None = None  # the tiny models' layers (None: all 78 of glm5.2-tiny, 4 of transformers')
     # the topology (correctness and step latency): TP groups of ``tp`` ranks, DCP groups of ``dcp``
     # ranks inside them (``dsa_dcp.topology``); tp 1 and dcp None: one DCP group over the world
     tp: int = 1
@@ -311,7 +311,8 @@ def _hf_generate(model, dcp_size: int, steps: int, device: str, dtype: torch.dty
 
 
 def check_transformers(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
-    """transformers' DSA models, unmodified (tiny random weights, 4 layers): ``generate`` with the
+    """transformers' DSA models, unmodified (tiny random weights, ``spec.tiny_layers`` or 4 layers: GLM-5's
+    indexers at layers 0 and 3, layers 1 and 2 sharing layer 0's top-k): ``generate`` with the
     model compiled in place under DCP against the same model compiled for this rank's device alone
     (``dcp_size=1``, whole cache: the single-rank program), in bf16 on a GPU and in fp32
     everywhere, for each merge mode. The reference is compiled, not eager, because the indexer
@@ -325,11 +326,12 @@ def check_transformers(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
 
     on_cuda = torch.device(spec.device).type == "cuda"
     dtypes = (torch.bfloat16, torch.float32) if on_cuda else (torch.float32,)
+    layers = spec.tiny_layers or 4
     for model_type in TINY_MODEL_TYPES:
         for dtype in dtypes:
             _progress(f"transformers {model_type} {dtype}: single-device reference")
             torch._dynamo.reset()
-            single = tiny_model(model_type, layers=4).to(device=spec.device, dtype=dtype)
+            single = tiny_model(model_type, layers=layers).to(device=spec.device, dtype=dtype)
             heads = single.config.num_attention_heads
             single.compile(backend="dsa_dcp", fullgraph=True, options={
                 "dcp_size": 1, **({"lowering": spec.lowering} if spec.lowering else {}),
@@ -344,7 +346,7 @@ def check_transformers(rank: int, world: int, spec: RunSpec) -> Iterator[dict]:
                 n = 1 if options is None else world
                 _progress(f"transformers {model_type} {dtype}: {label}" + (f" over {n} ranks" if options else ""))
                 torch._dynamo.reset()
-                model = tiny_model(model_type, layers=4).to(device=spec.device, dtype=dtype)
+                model = tiny_model(model_type, layers=layers).to(device=spec.device, dtype=dtype)
                 if options is None:
                     model.compile(fullgraph=True)
                 else:
