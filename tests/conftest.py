@@ -5,6 +5,11 @@ import os
 # saves when the suite's workers and ranks already keep every core busy. Ranks and scripts the
 # tests start inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# ... and scalar C++ (no at::vec): a cold kernel builds in a third of the time (a 2-layer step's 18
+# kernels: 18 s -> 7 s of g++ on this machine); its reductions may add in another order, within
+# the tests' fp32 tolerances. The Inductor-lowering tests of tests/test_dcp.py compile vectorized
+# C++, as users get it.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # Triton kernels run under the interpreter on CPU-only machines; it must be set before any
 # kernel is defined.
 try:

@@ -25,6 +25,14 @@ def _setup(family, layers=None, steps=STEPS):
 
 
 def _dcp_rank(rank, world, family, merges, interleave, lowering="fx", layers=None, steps=STEPS):
+    # Inductor's vectorized C++, as a user gets it (the rest of the suite compiles scalar C++: conftest.py)
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"cpp.vec_isa_ok": None}):
+        return _dcp_rank_compiled(rank, world, family, merges, interleave, lowering, layers, steps)
+
+
+def _dcp_rank_compiled(rank, world, family, merges, interleave, lowering, layers, steps):
     from one_trace import OneTrace
 
     cfg, batch = _setup(family, layers, steps)

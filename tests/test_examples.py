@@ -64,6 +64,8 @@ def test_example_runs_in_process(name, monkeypatch, tmp_path, capsys):
     assert module["main"](IN_PROCESS[name]) == 0
     out = capsys.readouterr().out
     assert "match eager: True" in out, out
+    diff = re.search(r"max \|logit diff\| (\S+)", out)  # the compiled step's logits against eager's
+    assert diff and float(diff.group(1)) < 1e-4, out
 
 
 @pytest.mark.slow
