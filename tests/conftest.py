@@ -1,15 +1,5 @@
 import os
 
-# Inductor compiles in this process and in each rank, one kernel after another: its pool of compile
-# workers (one new process per compiling process, importing torch again) costs more CPU than it
-# saves when the suite's workers and ranks already keep every core busy. Ranks and scripts the
-# tests start inherit it.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-# ... and scalar C++ (no at::vec): a cold kernel builds in a third of the time (a 2-layer step's 18
-# kernels: 18 s -> 7 s of g++ on this machine); its reductions may add in another order, within
-# the tests' fp32 tolerances. The Inductor-lowering tests of tests/test_dcp.py compile vectorized
-# C++, as users get it.
-os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # Triton kernels run under the interpreter on CPU-only machines; it must be set before any
 # kernel is defined.
 try:
@@ -20,6 +10,16 @@ except ImportError:  # pragma: no cover
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # On a CPU, Inductor compiles in this process and in each rank, one kernel after another: its
+    # pool of compile workers (a new process per compiling process, importing torch again) costs
+    # more CPU than it saves while the suite's workers and ranks keep every core busy. Ranks and
+    # scripts the tests start inherit both settings (set before torch._inductor is imported).
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    # ... and scalar C++ (no at::vec): a cold kernel builds in a third of the time (a 2-layer step's
+    # 18 kernels: 18 s -> 7 s of g++ on this machine); its reductions may add in another order,
+    # within the tests' fp32 tolerances. tests/test_dcp.py's Inductor-lowering test of DeepSeek-V3.2
+    # compiles vectorized C++, as users get it.
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest  # noqa: E402
 
