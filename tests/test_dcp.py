@@ -25,16 +25,6 @@ def _setup(family, layers=None, steps=STEPS):
 
 
 def _dcp_rank(rank, world, family, merges, interleave, lowering="fx", layers=None, steps=STEPS):
-    if family not in INDUCTOR_VECTORIZED:
-        return _dcp_rank_compiled(rank, world, family, merges, interleave, lowering, layers, steps)
-    # Inductor's vectorized C++, as a user gets it (the rest of the suite compiles scalar C++: conftest.py)
-    import torch._inductor.config as inductor_config
-
-    with inductor_config.patch({"cpp.vec_isa_ok": None}):
-        return _dcp_rank_compiled(rank, world, family, merges, interleave, lowering, layers, steps)
-
-
-def _dcp_rank_compiled(rank, world, family, merges, interleave, lowering, layers, steps):
     from one_trace import OneTrace
 
     cfg, batch = _setup(family, layers, steps)
@@ -99,7 +89,6 @@ def test_dcp_matches_single_rank(family, world, merges, interleave):
 MERGES = ("ag", "a2a", "ag_rs", "fused_a2a")
 INDUCTOR_CASES = [("glm5.2-tiny", 3), ("deepseek-v3.2-tiny", 2)]
 INDUCTOR_LAYERS = {"deepseek-v3.2-tiny": 2, "glm5.2-tiny": 4}
-INDUCTOR_VECTORIZED = {"deepseek-v3.2-tiny"}  # its step in vectorized C++ on CPU (conftest.py)
 
 
 @pytest.mark.slow
