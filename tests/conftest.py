@@ -26,9 +26,9 @@ import pytest  # noqa: E402
 
 # On 2 or more cores the suite runs on worker processes (pytest-xdist, in the `test` extra), one
 # test file per worker at a time: two workers, or a worker per two cores up to 4 on more (the
-# multi-rank tests start processes of their own). On this project's 2-core machine, the same tree
-# the same day: 793 s and 935 s on two workers against 1,048 s in one process (the serial run keeps
-# a core idle while a test waits on its ranks, a timeout or a compile). Not on a CUDA machine (the GPU
+# multi-rank tests start processes of their own). On this project's 2-core machine two workers keep
+# both cores busy (2% idle over a whole run; one process keeps a core idle while a test waits on
+# its ranks, a timeout or a compile). Not on a CUDA machine (the GPU
 # tests share one GPU). `-n 0` (or DSA_DCP_TEST_WORKERS=0) runs it in this process, `-n N` or
 # DSA_DCP_TEST_WORKERS=N on N workers.
 @pytest.hookimpl(tryfirst=True)
