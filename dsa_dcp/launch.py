@@ -3,7 +3,7 @@
 ``run_on_ranks(fn, n, *args)`` is the one place that spawns ranks for tests and the demo: it starts
 ``n`` processes, initializes a gloo process group in each, calls ``fn(rank, n, *args)``, and
 returns the ranks' results in rank order. The processes are started by multiprocessing's
-``forkserver`` (``spawn`` where the platform has none): a server process imports torch and
+``forkserver`` on Linux (``spawn`` elsewhere): a server process imports torch and
 dsa_dcp once, and each rank is a fork of it, so a rank starts in a fraction of a second instead of
 importing torch again. A rank runs with the caller's environment variables and writes to the
 caller's standard output and error as they are when it starts, as a spawned rank does (what was
@@ -107,9 +107,10 @@ def _send(conn, msg) -> None:
 
 
 def _start_method():
-    """multiprocessing's context for ranks: ``forkserver`` where there is one, with torch and
-    dsa_dcp imported in the server before it forks (see the module docstring), else ``spawn``."""
-    if "forkserver" not in mp.get_all_start_methods():
+    """multiprocessing's context for ranks: ``forkserver`` on Linux, with torch and dsa_dcp imported
+    in the server before it forks (see the module docstring), else ``spawn`` (macOS's system
+    libraries are not safe to use in a forked child)."""
+    if not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "dsa_dcp"])  # no effect once the server runs

@@ -73,3 +73,19 @@ def test_the_store_listens_on_the_loopback_only():
     # 0100007F is 127.0.0.1 (little-endian hex); a store bound to every interface shows 00000000
     # (IPv4) or ::, all zeros (IPv6)
     assert listeners == ["0100007F"], listeners
+
+
+def _environment_and_output(rank, world):
+    print(f"rank {rank} of {world} writes here", flush=True)
+    return os.environ.get("DSA_DCP_TEST_MARK")
+
+
+def test_a_rank_takes_the_callers_environment_and_output_as_it_starts(monkeypatch, capfd):
+    """Ranks forked from a server started earlier (dsa_dcp.launch) see what a spawned rank would."""
+    monkeypatch.delenv("DSA_DCP_TEST_MARK", raising=False)
+    assert run_on_ranks(_environment_and_output, 2) == [None, None]  # the server, if any, starts here
+    capfd.readouterr()
+    monkeypatch.setenv("DSA_DCP_TEST_MARK", "set after the first ranks")
+    assert run_on_ranks(_environment_and_output, 2) == ["set after the first ranks"] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 of 2 writes here" in out and "rank 1 of 2 writes here" in out, out
