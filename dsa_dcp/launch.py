@@ -122,8 +122,13 @@ class _CallersSurroundings:
     environment variables and standard output and error (file descriptors 1 and 2). A spawned rank
     has them anyway; a forked one would have the server's, from whenever the server started."""
 
-    def __init__(self, forked: bool, environ: dict[str, str] | None = None, fds=()):
-        self.forked, self.environ, self.fds = forked, dict(os.environ) if environ is None else environ, fds
+    def __init__(self, forked: bool, environ: dict[str, str], fds=()):
+        self.forked, self.environ, self.fds = forked, environ, fds
+
+    @classmethod
+    def now(cls, ctx) -> "_CallersSurroundings":
+        """The caller's, as they are now, for a rank ``ctx`` starts."""
+        return cls(ctx.get_start_method() == "forkserver", dict(os.environ))
 
     def __reduce__(self):  # pickled as the rank starts: the descriptors travel with it
         fds = tuple(reduction.DupFd(fd) for fd in (1, 2)) if self.forked else ()
@@ -391,7 +396,7 @@ def run_on_ranks(
             p = ctx.Process(
                 target=_rank_main,
                 args=(fn, r, world_size, port_cell, args, child_end, collective_timeout, before_join,
-                      _CallersSurroundings(ctx.get_start_method() == "forkserver")),
+                      _CallersSurroundings.now(ctx)),
                 daemon=True,
             )
             p.start()
@@ -516,7 +521,7 @@ class _RankPool:
             parent_end, child_end = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_pooled_rank_main, daemon=True,
                             args=(r, world_size, port_cell, child_end, DEFAULT_COLLECTIVE_TIMEOUT_S,
-                                  _CallersSurroundings(ctx.get_start_method() == "forkserver")))
+                                  _CallersSurroundings.now(ctx)))
             p.start()
             child_end.close()
             self.procs.append(p)
