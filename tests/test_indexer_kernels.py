@@ -246,8 +246,11 @@ def _tricky_scores(gen, T, C):
 
 
 # the top-k's paths as (path, chunks) keywords: the row held in registers, the row read in tiles
-# of `block`, the row split over programs
-PATHS = {"resident": dict(path="resident"), "row": dict(path="row"), "chunked": dict(chunks=2)}
+# of `block`, the row split over programs, the row compacted above a sample's threshold (at these
+# sizes its buffer rarely holds the row's candidates: the tiled passes then select the row;
+# test_topk_select_sampled_routes takes each of its routes)
+PATHS = {"resident": dict(path="resident"), "row": dict(path="row"), "chunked": dict(chunks=2),
+         "sampled": dict(path="sampled")}
 
 SELECT_CASES = [
     # (T, C, k, path, block)
@@ -258,6 +261,8 @@ SELECT_CASES = [
     (5, 48, 64, "chunked", 16),
     (5, 40, 40, "resident", 16),  # k == C
     (5, 40, 40, "row", 16),
+    (5, 64, 10, "sampled", 16),
+    (5, 48, 64, "sampled", 16),
 ]
 
 
@@ -439,6 +444,52 @@ def test_topk_select_resident_random():
                 assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (k, N, r)
 
 
+def test_topk_select_sampled_routes(monkeypatch):
+    """The sampled path selects each row from its buffer when the sample's threshold is safe and
+    the buffer holds the candidates above it (the small buffer or the large one), and by the
+    tiled passes otherwise (ties past the buffer, NaN past it, a threshold set above the k-th
+    best); every route gives the references' answer, as positions, as slots and fused with the
+    remap on every rank."""
+    gen = _gen("sampled")
+    monkeypatch.setattr(select_mod, "SAMPLE_EVERY", 2)  # a sample of 128: thresholds near the k-th best
+    T, C, k, page = 8, 256, 12, 16
+    scores = torch.randn(T, C, generator=gen)
+    scores[1, 90:] = -INF  # few candidates: the sample lets every one through
+    scores[2] = 0.5  # every candidate ties: past the buffer
+    scores[3, ::5] = NAN  # 52 NaN, all above the threshold: past the small buffer (32), in the large (64)
+    scores[4, 40:] = -0.0  # ties at zero after 40 random scores
+    scores[4, 100] = INF
+    scores[5] = (torch.randn(C, generator=gen) * 2).round() / 2  # many equal values
+    scores[6, ::3] = NAN  # 86 NaN: past the large buffer
+    page_table = torch.randperm(T * C // page, generator=gen).view(T, C // page).int()
+    page_table[3, 2] = -1
+    req_ids = torch.arange(T)
+    req_ids[7] = -1
+    scores, page_table, req_ids = _dev(scores, page_table, req_ids)
+    routes = {}
+    for sigmas in (5.0, 0.0, -4.0):  # -4: thresholds above the k-th best (too few candidates): tiled
+        monkeypatch.setattr(select_mod, "SAMPLE_SIGMAS", sigmas)
+        for pt_args in ((None, None), (page_table, req_ids)):
+            route = torch.full((T,), -1, dtype=torch.int32, device=DEVICE)
+            got, _ = select_mod._launch_select(scores, k, *pt_args, page, None, path="sampled", route=route, block=16)
+            want = select_mod.topk_select_reference(scores, k, *pt_args, page)
+            assert torch.equal(got, want), (sigmas, route)
+            for N, I in ((2, 1), (3, 2)):
+                for r in range(N):
+                    local, count = select_mod.topk_select_remap_triton(scores, k, N, r, I, *pt_args, page,
+                                                                       path="sampled", block=16)  # fmt: skip
+                    want_local, want_count = remap_mod.topk_remap_reference(want, N, r, I)
+                    assert torch.equal(local, want_local) and torch.equal(count, want_count), (sigmas, N, r)
+            routes[sigmas, pt_args[0] is not None] = route.tolist()
+    for (sigmas, paged), route in routes.items():
+        assert route[2] == 2 and route[6] == 2, route  # past the large buffer
+        assert route[3] == 1, route  # in the large buffer
+        assert sigmas < 0 or route[1] in (0, 1), route
+        assert not paged or route[7] == 0, route  # a row without a request: an empty buffer
+    assert {0, 1} <= set(routes[0.0, False]) and 1 in routes[5.0, False]
+    assert routes[-4.0, False].count(2) > routes[5.0, False].count(2), "a threshold too high takes the tiled passes"
+
+
 class _Launches:
     """Counts the launches of a Triton kernel (``kernel[grid](...)``)."""
 
@@ -451,27 +502,31 @@ class _Launches:
 
 
 def test_topk_select_paths_and_keywords(monkeypatch):
-    """One program a row runs the resident kernel up to RESIDENT_MAX candidates, the tiled row
-    kernel above; ``chunks`` > 1 forces the chunked passes, ``path`` any path; bad keywords raise."""
+    """One program a row runs the resident kernel up to RESIDENT_MAX candidates, the sampled kernel
+    above; ``chunks`` > 1 forces the chunked passes, ``path`` any path; bad keywords raise."""
     monkeypatch.setattr(select_mod, "RESIDENT_MAX", 32)
-    spies = {name: _Launches(getattr(select_mod, name)) for name in ("_topk_resident_kernel", "_topk_write_kernel")}
+    names = ("_topk_resident_kernel", "_topk_write_kernel", "_topk_sampled_kernel")  # (the row kernel: none of them)
+    spies = {name: _Launches(getattr(select_mod, name)) for name in names}
     for name, spy in spies.items():
         monkeypatch.setattr(select_mod, name, spy)
-    cases = [(32, dict(), "resident"), (40, dict(), "row"), (40, dict(chunks=1), "row"),
+    cases = [(32, dict(), "resident"), (40, dict(), "sampled"), (40, dict(chunks=1), "sampled"),
              (32, dict(chunks=2), "chunked"), (40, dict(path="resident", num_warps=4), "resident"),
-             (32, dict(path="row"), "row"), (32, dict(path="chunked"), "chunked")]  # fmt: skip
+             (32, dict(path="row"), "row"), (32, dict(path="chunked"), "chunked"),
+             (32, dict(path="sampled"), "sampled")]  # fmt: skip
     for C, kw, want in cases:
         s = torch.randn(2, C, generator=_gen("paths", C), device="cpu").to(DEVICE)
         before = {name: spy.calls for name, spy in spies.items()}
         got = select_mod.topk_select_triton(s, 6, block=8, **kw)
         assert torch.equal(got, select_mod.topk_select_reference(s, 6)), kw
         ran = {name for name, spy in spies.items() if spy.calls > before[name]}
-        assert ran == {"resident": {"_topk_resident_kernel"}, "row": set(), "chunked": {"_topk_write_kernel"}}[want], kw
+        assert ran == {"resident": {"_topk_resident_kernel"}, "row": set(), "chunked": {"_topk_write_kernel"},
+                       "sampled": {"_topk_sampled_kernel"}}[want], kw
     s = torch.randn(2, 40, device=DEVICE)
     with pytest.raises(ValueError, match="path must be"):
         select_mod.topk_select_triton(s, 6, path="tiles")
-    with pytest.raises(ValueError, match="one program a row"):
-        select_mod.topk_select_triton(s, 6, path="resident", chunks=2)
+    for path in ("resident", "row", "sampled"):
+        with pytest.raises(ValueError, match="one program a row"):
+            select_mod.topk_select_triton(s, 6, path=path, chunks=2)
     with pytest.raises(ValueError, match="block must be"):
         select_mod.topk_select_triton(s, 6, block=12)
     with pytest.raises(ValueError, match="at most"):
@@ -494,7 +549,7 @@ VALUES = [-INF, -2.0, -0.5, -0.0, 0.0, 0.5, 1.0, 1.5, INF, NAN]
     T=st.integers(1, 3),
     C=st.integers(1, 40),
     k=st.integers(1, 48),
-    path=st.sampled_from(["resident", "row", "chunked"]),
+    path=st.sampled_from(["resident", "row", "chunked", "sampled"]),
     data=st.data(),
 )
 def test_topk_select_property(T, C, k, path, data):
@@ -571,7 +626,8 @@ def test_indexer_real_size_gpu(key_dtype):
     fin = torch.isfinite(ref)
     rel = ((got.double() - ref.double())[fin].abs().max() / ref[fin].abs().max()).item()
     assert rel < 1e-4, rel
-    for kw in (dict(), dict(chunks=1), dict(chunks=16), dict(path="resident")):  # resident at its limit: 32K
+    for kw in (dict(), dict(chunks=1), dict(chunks=16), dict(path="resident"),  # resident at its limit: 32K
+               dict(path="sampled")):
         tri = select_mod.topk_select_triton(got, K, page_table, req_ids, page, **kw)
         assert torch.equal(tri, select_mod.topk_select_reference(got, K, page_table, req_ids, page)), kw
         for n in (2, 4):
@@ -589,7 +645,7 @@ def test_topk_select_shapes_gpu(B, C):
     scores[:, -7:] = -INF
     for k in (512, 1024, 2048):
         ref = select_mod.topk_select_reference(scores, k)
-        paths = [dict(), dict(chunks=4), dict(path="row")]
+        paths = [dict(), dict(chunks=4), dict(path="row"), dict(path="sampled")]
         paths += [dict(path="resident")] if C <= select_mod.RESIDENT_LIMIT else []
         for kw in paths:
             assert torch.equal(select_mod.topk_select_triton(scores, k, **kw), ref), (k, kw)

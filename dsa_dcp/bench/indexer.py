@@ -20,7 +20,8 @@ before it is timed. Parts (``--only``):
   call reads keys from HBM.
 - ``topk``: ``topk_select_triton`` alone (its default, and each path forced: ``resident``, one
   program a row holding the row in registers, timed up to ``RESIDENT_LIMIT`` = 32K candidates;
-  ``row``, one program a row reading the row in tiles; ``split``, the chunked passes) against
+  ``row``, one program a row reading the row in tiles; ``split``, the chunked passes;
+  ``sampled``, one program a row compacting the candidates above a sample's threshold) against
   ``torch.topk`` on the same fp32 scores ``[B, C]`` (randn), K = 2048.
 - ``remap``: the fused top-k + remap (N = 2, rank 0) against the top-k alone and against the
   top-k followed by ``topk_remap_triton``.
@@ -229,7 +230,8 @@ def bench_topk(batches, contexts, out: list) -> None:
         ref = topk_select_reference(scores, K, pt, req, PAGE)
         split = _split_chunks(b, ctx)
         row = {"part": "topk", "B": b, "ctx": ctx, "K": K, "bytes": b * ctx * 4 + b * K * 4, "split_chunks": split}
-        paths = {"ours": {}, "resident": {"path": "resident"}, "row": {"path": "row"}, "split": {"chunks": split}}
+        paths = {"ours": {}, "resident": {"path": "resident"}, "row": {"path": "row"}, "split": {"chunks": split},
+                 "sampled": {"path": "sampled"}}
         for name, kw in paths.items():
             if name == "resident" and ctx > RESIDENT_LIMIT:
                 continue
@@ -290,7 +292,8 @@ def bench_score_tiles(keys, heads, out: list, b: int = 32, ctx: int = 32768) -> 
 COLUMNS = {
     "indexer": ["keys", "Hi", "B", "ctx", "ours_us", "scores_us", "topk_us", "floor_us", "ours_over_floor",
                 "ours_GBps", "torch_us", "inductor_us", "torch_over_ours", "inductor_over_ours"],
-    "topk": ["B", "ctx", "ours_us", "resident_us", "row_us", "split_us", "split_chunks", "torch_us", "torch_over_ours",
+    "topk": ["B", "ctx", "ours_us", "resident_us", "row_us", "split_us", "split_chunks", "sampled_us", "torch_us",
+             "torch_over_ours",
              "ours_GBps"],
     "remap": ["B", "ctx", "N", "topk_us", "fused_us", "composed_us", "fused_over_topk"],
     "tiles": ["keys", "Hi", "B", "ctx", "tiles", "us", "key_GBps"],

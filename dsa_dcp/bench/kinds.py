@@ -14,7 +14,7 @@ KERNEL_KINDS = (
     ("combine", ("lse_combine",)),
     ("attention", ("sparse_mla",)),
     ("indexer", ("index_scores", "topk_select", "_topk_resident_kernel", "_topk_row_kernel", "_topk_pass_kernel",
-                 "_topk_write_kernel",
+                 "_topk_write_kernel", "_topk_sampled_kernel",
                  "gatherTopK", "radixSort", "radixFindKthValues", "computeBlockwiseWithinKCounts",
                  "computeBlockwiseKthCounts")),
 )
