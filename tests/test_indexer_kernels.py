@@ -246,11 +246,11 @@ def _tricky_scores(gen, T, C):
 
 
 # the top-k's paths as (path, chunks) keywords: the row held in registers, the row read in tiles
-# of `block`, the row split over programs, the row compacted above a sample's threshold (at these
-# sizes its buffer rarely holds the row's candidates: the tiled passes then select the row;
-# test_topk_select_sampled_routes takes each of its routes)
+# of `block`, the row split over programs, the row compacted above a sample's threshold by one
+# program or split over programs (at these sizes its buffer rarely holds the row's candidates: the
+# tiled passes then select the row; test_topk_select_sampled_routes takes each of its routes)
 PATHS = {"resident": dict(path="resident"), "row": dict(path="row"), "chunked": dict(chunks=2),
-         "sampled": dict(path="sampled")}
+         "sampled": dict(path="sampled"), "sampled split": dict(path="sampled", chunks=3)}
 
 SELECT_CASES = [
     # (T, C, k, path, block)
@@ -263,6 +263,7 @@ SELECT_CASES = [
     (5, 40, 40, "row", 16),
     (5, 64, 10, "sampled", 16),
     (5, 48, 64, "sampled", 16),
+    (5, 64, 10, "sampled split", 16),
 ]
 
 
@@ -449,7 +450,8 @@ def test_topk_select_sampled_routes(monkeypatch):
     the buffer holds the candidates above it (the small buffer or the large one), and by the
     tiled passes otherwise (ties past the buffer, NaN past it, a threshold set above the k-th
     best); every route gives the references' answer, as positions, as slots and fused with the
-    remap on every rank."""
+    remap on every rank, by one program a row and with the row split over three programs (the
+    same routes: the same threshold and count)."""
     gen = _gen("sampled")
     monkeypatch.setattr(select_mod, "SAMPLE_EVERY", 2)  # a sample of 128: thresholds near the k-th best
     T, C, k, page = 8, 256, 12, 16
@@ -466,28 +468,34 @@ def test_topk_select_sampled_routes(monkeypatch):
     req_ids = torch.arange(T)
     req_ids[7] = -1
     scores, page_table, req_ids = _dev(scores, page_table, req_ids)
-    routes = {}
-    for sigmas in (5.0, 0.0, -4.0):  # -4: thresholds above the k-th best (too few candidates): tiled
+
+    def select(sigmas, chunks, pt_args=(None, None)):
         monkeypatch.setattr(select_mod, "SAMPLE_SIGMAS", sigmas)
-        for pt_args in ((None, None), (page_table, req_ids)):
-            route = torch.full((T,), -1, dtype=torch.int32, device=DEVICE)
-            got, _ = select_mod._launch_select(scores, k, *pt_args, page, None, path="sampled", route=route, block=16)
-            want = select_mod.topk_select_reference(scores, k, *pt_args, page)
-            assert torch.equal(got, want), (sigmas, route)
-            for N, I in ((2, 1), (3, 2)):
-                for r in range(N):
-                    local, count = select_mod.topk_select_remap_triton(scores, k, N, r, I, *pt_args, page,
-                                                                       path="sampled", block=16)  # fmt: skip
-                    want_local, want_count = remap_mod.topk_remap_reference(want, N, r, I)
-                    assert torch.equal(local, want_local) and torch.equal(count, want_count), (sigmas, N, r)
-            routes[sigmas, pt_args[0] is not None] = route.tolist()
-    for (sigmas, paged), route in routes.items():
+        route = torch.full((T,), -1, dtype=torch.int32, device=DEVICE)
+        got, _ = select_mod._launch_select(scores, k, *pt_args, page, None, path="sampled", route=route, block=32,
+                                           chunks=chunks)  # fmt: skip
+        assert torch.equal(got, select_mod.topk_select_reference(scores, k, *pt_args, page)), (sigmas, chunks)
+        return route.tolist()
+
+    # -4: thresholds above the k-th best (too few candidates): the tiled passes
+    routes = {(sigmas, chunks): select(sigmas, chunks) for sigmas in (5.0, 0.0, -4.0) for chunks in (1, 3)}
+    for (sigmas, chunks), route in routes.items():
+        assert route == routes[sigmas, 1], "the split rows take the same routes (same threshold, same count)"
         assert route[2] == 2 and route[6] == 2, route  # past the large buffer
         assert route[3] == 1, route  # in the large buffer
         assert sigmas < 0 or route[1] in (0, 1), route
-        assert not paged or route[7] == 0, route  # a row without a request: an empty buffer
-    assert {0, 1} <= set(routes[0.0, False]) and 1 in routes[5.0, False]
-    assert routes[-4.0, False].count(2) > routes[5.0, False].count(2), "a threshold too high takes the tiled passes"
+    assert {0, 1} <= set(routes[0.0, 1]) and 1 in routes[5.0, 1]
+    assert routes[-4.0, 1].count(2) > routes[5.0, 1].count(2), "a threshold too high takes the tiled passes"
+    pt_args = (page_table, req_ids)
+    for chunks in (1, 3):  # through the page table, and fused with the remap on every rank
+        route = select(0.0, chunks, pt_args)
+        assert route[:7] == routes[0.0, 1][:7] and route[7] == 0, route  # a row without a request: an empty buffer
+        want = select_mod.topk_select_reference(scores, k, *pt_args, page)
+        for r in range(3):
+            local, count = select_mod.topk_select_remap_triton(scores, k, 3, r, 2, *pt_args, page, path="sampled",
+                                                               block=32, chunks=chunks)  # fmt: skip
+            want_local, want_count = remap_mod.topk_remap_reference(want, 3, r, 2)
+            assert torch.equal(local, want_local) and torch.equal(count, want_count), (chunks, r)
 
 
 class _Launches:
@@ -524,7 +532,7 @@ def test_topk_select_paths_and_keywords(monkeypatch):
     s = torch.randn(2, 40, device=DEVICE)
     with pytest.raises(ValueError, match="path must be"):
         select_mod.topk_select_triton(s, 6, path="tiles")
-    for path in ("resident", "row", "sampled"):
+    for path in ("resident", "row"):
         with pytest.raises(ValueError, match="one program a row"):
             select_mod.topk_select_triton(s, 6, path=path, chunks=2)
     with pytest.raises(ValueError, match="block must be"):
@@ -562,7 +570,7 @@ def test_topk_select_property(T, C, k, path, data):
         scores = torch.randn((T, C), generator=torch.Generator().manual_seed(seed))
     ref = select_mod.topk_select_reference(scores, k)
     _check_against_topk(scores, ref, k)
-    kw = dict(path=path, chunks=data.draw(st.integers(1, 3)) if path == "chunked" else None, block=16)
+    kw = dict(path=path, chunks=data.draw(st.integers(1, 3)) if path in ("chunked", "sampled") else None, block=16)
     tri = select_mod.topk_select_triton(scores.to(DEVICE), k, **kw).cpu()
     assert torch.equal(tri, ref)
     n, r = data.draw(st.integers(1, 3)), 0

@@ -21,7 +21,8 @@ before it is timed. Parts (``--only``):
 - ``topk``: ``topk_select_triton`` alone (its default, and each path forced: ``resident``, one
   program a row holding the row in registers, timed up to ``RESIDENT_LIMIT`` = 32K candidates;
   ``row``, one program a row reading the row in tiles; ``split``, the chunked passes;
-  ``sampled``, one program a row compacting the candidates above a sample's threshold) against
+  ``sampled``, one program a row compacting the candidates above a sample's threshold;
+  ``sampled_split``, the same with the row's count and compaction split as ``split`` splits it) against
   ``torch.topk`` on the same fp32 scores ``[B, C]`` (randn), K = 2048.
 - ``remap``: the fused top-k + remap (N = 2, rank 0) against the top-k alone and against the
   top-k followed by ``topk_remap_triton``.
@@ -231,7 +232,7 @@ def bench_topk(batches, contexts, out: list) -> None:
         split = _split_chunks(b, ctx)
         row = {"part": "topk", "B": b, "ctx": ctx, "K": K, "bytes": b * ctx * 4 + b * K * 4, "split_chunks": split}
         paths = {"ours": {}, "resident": {"path": "resident"}, "row": {"path": "row"}, "split": {"chunks": split},
-                 "sampled": {"path": "sampled"}}
+                 "sampled": {"path": "sampled", "chunks": 1}, "sampled_split": {"path": "sampled", "chunks": split}}
         for name, kw in paths.items():
             if name == "resident" and ctx > RESIDENT_LIMIT:
                 continue
@@ -242,7 +243,8 @@ def bench_topk(batches, contexts, out: list) -> None:
         row["ours_GBps"] = row["bytes"] / row["ours_us"] / 1e3
         row["torch_over_ours"] = row["torch_us"] / row["ours_us"]
         out.append(row)
-        print(f"# topk B={b} ctx={ctx}: ours {row['ours_us']:.1f} us, torch {row['torch_us']:.1f} us", file=sys.stderr)
+        times = ", ".join(f"{name} {row[name + '_us']:.1f}" for name in [*paths, "torch"] if name + "_us" in row)
+        print(f"# topk B={b} ctx={ctx} (us): {times}", file=sys.stderr)  # each path, for a run cut short
 
 
 def bench_remap(batches, contexts, out: list, n: int = 2) -> None:
@@ -292,8 +294,8 @@ def bench_score_tiles(keys, heads, out: list, b: int = 32, ctx: int = 32768) -> 
 COLUMNS = {
     "indexer": ["keys", "Hi", "B", "ctx", "ours_us", "scores_us", "topk_us", "floor_us", "ours_over_floor",
                 "ours_GBps", "torch_us", "inductor_us", "torch_over_ours", "inductor_over_ours"],
-    "topk": ["B", "ctx", "ours_us", "resident_us", "row_us", "split_us", "split_chunks", "sampled_us", "torch_us",
-             "torch_over_ours",
+    "topk": ["B", "ctx", "ours_us", "resident_us", "row_us", "split_us", "split_chunks", "sampled_us",
+             "sampled_split_us", "torch_us", "torch_over_ours",
              "ours_GBps"],
     "remap": ["B", "ctx", "N", "topk_us", "fused_us", "composed_us", "fused_over_topk"],
     "tiles": ["keys", "Hi", "B", "ctx", "tiles", "us", "key_GBps"],

@@ -14,7 +14,8 @@ KERNEL_KINDS = (
     ("combine", ("lse_combine",)),
     ("attention", ("sparse_mla",)),
     ("indexer", ("index_scores", "topk_select", "_topk_resident_kernel", "_topk_row_kernel", "_topk_pass_kernel",
-                 "_topk_write_kernel", "_topk_sampled_kernel",
+                 "_topk_write_kernel", "_topk_sampled_kernel", "_topk_sample_kernel", "_topk_count_kernel",
+                 "_topk_compact_kernel", "_topk_finish_kernel",
                  "gatherTopK", "radixSort", "radixFindKthValues", "computeBlockwiseWithinKCounts",
                  "computeBlockwiseKthCounts")),
 )

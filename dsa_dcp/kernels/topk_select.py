@@ -81,7 +81,7 @@ SAMPLE_MAX = 8192
 SAMPLE_SIGMAS = 5.0
 ONE_PROGRAM_ROWS = 32
 PATHS = ("resident", "row", "chunked", "sampled")
-ONE_PROGRAM_PATHS = ("resident", "row", "sampled")
+ONE_PROGRAM_PATHS = ("resident", "row")
 
 _SELECT = "topk_select"
 
@@ -429,6 +429,57 @@ def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, 
 
 
 @triton.jit
+def _compact(row, lo, hi, low, m, kbuf, pbuf, live, LARGE: tl.constexpr, BLOCK: tl.constexpr):
+    """Append the keys (as int32 bits) and positions of the candidates of [lo, hi) whose key is at
+    or above ``low`` to the buffer after its first ``m`` entries, in position order, as far as
+    LARGE entries; return ``m`` plus how many there were (all of them, stored or not)."""
+    lane = tl.arange(0, BLOCK)
+    nxt = tl.load(row + lo + lane, mask=tl.where(live, lo + lane < hi, False), other=float("-inf"))
+    for start in range(lo, hi, BLOCK):
+        offs = start + lane
+        key = _ordered_key(nxt.to(tl.float32))
+        # the next tile's load is issued before this one's work
+        nxt = tl.load(row + offs + BLOCK, mask=tl.where(live, offs + BLOCK < hi, False), other=float("-inf"))
+        ge = key >= low
+        ge_i = ge.to(tl.int32)
+        at = m + tl.cumsum(ge_i, axis=0) - ge_i
+        fits = ge & (at < LARGE)
+        tl.store(kbuf + at, key.to(tl.int32, bitcast=True), mask=fits)
+        tl.store(pbuf + at, offs, mask=fits)
+        m += tl.sum(ge_i, axis=0)
+    return m
+
+
+@triton.jit
+def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, out_row, count_ptr, route_ptr, page_row, RANK,
+                     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
+                     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr,
+                     TAIL: tl.constexpr, BITS: tl.constexpr):
+    """Select the row from its buffer of the ``m`` candidates at or above ``low`` where that is
+    safe (``m >= need``, or ``low`` lets every candidate but ``-inf`` through) and the buffer
+    holds them (in registers over SMALL lanes, else LARGE), else by the exact tiled passes;
+    ``route`` says which: 0, 1 or 2. The buffer holds every candidate at or above ``low`` in
+    position order, so with ``m >= need`` it holds the best ``need`` and all their ties."""
+    safe = (m >= need) | (low == 1)
+    if safe & (m <= SMALL):
+        tl.store(route_ptr, 0)
+        i = tl.arange(0, SMALL)
+        _select_held(tl.load(kbuf + i, mask=i < m, other=0).to(tl.uint32, bitcast=True),
+                     tl.load(pbuf + i, mask=i < m, other=0), K, need, out_row, count_ptr, page_row, RANK, PAGE,
+                     HAS_PT, REMAP, DCP_SIZE, INTERLEAVE, TAIL, BITS)  # fmt: skip
+    elif safe & (m <= LARGE):
+        tl.store(route_ptr, 1)
+        i = tl.arange(0, LARGE)
+        _select_held(tl.load(kbuf + i, mask=i < m, other=0).to(tl.uint32, bitcast=True),
+                     tl.load(pbuf + i, mask=i < m, other=0), K, need, out_row, count_ptr, page_row, RANK, PAGE,
+                     HAS_PT, REMAP, DCP_SIZE, INTERLEAVE, TAIL, BITS)  # fmt: skip
+    else:
+        tl.store(route_ptr, 2)
+        _select_tiled(row, C, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
+                      INTERLEAVE, BLOCK)  # fmt: skip
+
+
+@triton.jit
 def _topk_sampled_kernel(
     scores_ptr, out_ptr, count_ptr, route_ptr, kbuf_ptr, pbuf_ptr, pt_ptr, req_ptr, C, K, R, RANK, stride_s,
     stride_pt, stride_o,
@@ -440,58 +491,90 @@ def _topk_sampled_kernel(
 
     1. A threshold key from a sample of the row (:func:`_sample_threshold`).
     2. One read of the row compacts every candidate whose key is at or above it, in position
-       order, into the row's buffer (LARGE keys and positions; ``M`` counts them all).
-    3. If the threshold is safe (``M >= need``, or it lets every candidate but ``-inf`` through)
-       and the buffer holds them (``M <= LARGE``), the selection is the buffer's ``need`` best,
-       selected in registers (:func:`_select_held`, over SMALL lanes where M fits them).
-       Otherwise the row is selected exactly by the tiled passes (:func:`_select_tiled`). Either
-       way the set is the contract's: the buffer holds every candidate at or above the
-       threshold, so with ``M >= need`` it holds the best ``need`` and all their ties, in order.
-
-    ``route[t]``: 0 the small buffer, 1 the large, 2 the tiled passes."""
+       order, into the row's buffer (:func:`_compact`: LARGE keys and positions; ``m`` counts
+       them all).
+    3. The row is selected from the buffer, or by the tiled passes where the buffer cannot hold
+       the selection (:func:`_select_buffered`, which writes ``route[t]``)."""
     t = tl.program_id(0).to(tl.int64)
     row = scores_ptr + t * stride_s
     need = _row_need(req_ptr, t, C, K, R, HAS_PT)
-    page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
-    out_row = out_ptr + t * stride_o
     kbuf = kbuf_ptr + t * LARGE
     pbuf = pbuf_ptr + t * LARGE
     low = _sample_threshold(row, C, need, SAMPLE, SIGMAS, BITS)
-    m = tl.cast(0, tl.int32)
-    lane = tl.arange(0, BLOCK)
-    live = need > 0
-    nxt = tl.load(row + lane, mask=tl.where(live, lane < C, False), other=float("-inf"))
-    for start in range(0, C, BLOCK):
-        offs = start + lane
-        cur = nxt  # the next tile's load is issued before this one's work
-        nxt = tl.load(row + offs + BLOCK, mask=tl.where(live, offs + BLOCK < C, False), other=float("-inf"))
-        ge = _ordered_key(cur.to(tl.float32)) >= low
-        ge_i = ge.to(tl.int32)
-        at = m + tl.cumsum(ge_i, axis=0) - ge_i
-        fits = ge & (at < LARGE)
-        tl.store(kbuf + at, _ordered_key(cur.to(tl.float32)).to(tl.int32, bitcast=True), mask=fits)
-        tl.store(pbuf + at, offs, mask=fits)
-        m += tl.sum(ge_i, axis=0)
-    safe = (m >= need) | (low == 1)
+    m = _compact(row, 0, C, low, tl.cast(0, tl.int32), kbuf, pbuf, need > 0, LARGE, BLOCK)
     tl.debug_barrier()  # the buffer's stores before any lane reads them
-    if safe & (m <= SMALL):
-        tl.store(route_ptr + t, 0)
-        i = tl.arange(0, SMALL)
-        _select_held(tl.load(kbuf + i, mask=i < m, other=0).to(tl.uint32, bitcast=True),
-                     tl.load(pbuf + i, mask=i < m, other=0), K, need,
-                     out_row, count_ptr + t, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE, INTERLEAVE,
-                     TAIL, BITS)  # fmt: skip
-    elif safe & (m <= LARGE):
-        tl.store(route_ptr + t, 1)
-        i = tl.arange(0, LARGE)
-        _select_held(tl.load(kbuf + i, mask=i < m, other=0).to(tl.uint32, bitcast=True),
-                     tl.load(pbuf + i, mask=i < m, other=0), K, need,
-                     out_row, count_ptr + t, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE, INTERLEAVE,
-                     TAIL, BITS)  # fmt: skip
-    else:
-        tl.store(route_ptr + t, 2)
-        _select_tiled(row, C, K, need, out_row, count_ptr + t, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
-                      INTERLEAVE, BLOCK)  # fmt: skip
+    _select_buffered(row, C, K, need, low, m, kbuf, pbuf, out_ptr + t * stride_o, count_ptr + t, route_ptr + t,
+                     _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
+                     INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS)  # fmt: skip
+
+
+# The sampled path with each row split over chunks: four launches, no program waits for another.
+
+
+@triton.jit
+def _topk_sample_kernel(scores_ptr, low_ptr, req_ptr, C, K, R, stride_s, HAS_PT: tl.constexpr,
+                        SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, BITS: tl.constexpr):
+    """Grid (T,): row t's threshold key (:func:`_sample_threshold`) into ``low[t]``."""
+    t = tl.program_id(0).to(tl.int64)
+    low = _sample_threshold(scores_ptr + t * stride_s, C, _row_need(req_ptr, t, C, K, R, HAS_PT), SAMPLE, SIGMAS,
+                            BITS)  # fmt: skip
+    tl.store(low_ptr + t, low.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _topk_count_kernel(scores_ptr, low_ptr, cnt_ptr, req_ptr, C, K, R, CHUNK, NCHUNK, stride_s,
+                       HAS_PT: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (T, NCHUNK): how many candidates of chunk j of row t are at or above ``low[t]``."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    live = _row_need(req_ptr, t, C, K, R, HAS_PT) > 0
+    low = tl.load(low_ptr + t).to(tl.uint32, bitcast=True)
+    row = scores_ptr + t * stride_s
+    lo = j * CHUNK
+    hi = tl.minimum(lo + CHUNK, C)
+    n = 0
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(row + offs, mask=tl.where(live, offs < hi, False), other=float("-inf"))
+        n += tl.sum((_ordered_key(x.to(tl.float32)) >= low).to(tl.int32), axis=0)  # -inf (key 0) is below low
+    tl.store(cnt_ptr + t * NCHUNK + j, n)
+
+
+@triton.jit
+def _topk_compact_kernel(scores_ptr, low_ptr, cnt_ptr, kbuf_ptr, pbuf_ptr, req_ptr, C, K, R, CHUNK, NCHUNK,
+                         stride_s, HAS_PT: tl.constexpr, LARGE: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_CHUNKS: tl.constexpr):
+    """Grid (T, NCHUNK): chunk j of row t appends its candidates at or above ``low[t]`` to the
+    row's buffer after those of the chunks before it (:func:`_compact`), when the row's count
+    fits the buffer (else the finishing launch selects the row by the tiled passes)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    counts = tl.load(cnt_ptr + t * NCHUNK + chunks, mask=chunks < NCHUNK, other=0)
+    if tl.sum(counts, axis=0) <= LARGE:
+        lo = j * CHUNK
+        _compact(scores_ptr + t * stride_s, lo, tl.minimum(lo + CHUNK, C), tl.load(low_ptr + t).to(tl.uint32,
+                 bitcast=True), tl.sum(tl.where(chunks < j, counts, 0), axis=0), kbuf_ptr + t * LARGE,
+                 pbuf_ptr + t * LARGE, _row_need(req_ptr, t, C, K, R, HAS_PT) > 0, LARGE, BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _topk_finish_kernel(
+    scores_ptr, low_ptr, cnt_ptr, out_ptr, count_ptr, route_ptr, kbuf_ptr, pbuf_ptr, pt_ptr, req_ptr, C, K, R,
+    RANK, NCHUNK, stride_s, stride_pt, stride_o,
+    PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, SMALL: tl.constexpr,
+    LARGE: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
+):
+    """Grid (T,): row t selected from the buffer its chunks filled (:func:`_select_buffered`)."""
+    t = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    m = tl.sum(tl.load(cnt_ptr + t * NCHUNK + chunks, mask=chunks < NCHUNK, other=0), axis=0)
+    _select_buffered(scores_ptr + t * stride_s, C, K, _row_need(req_ptr, t, C, K, R, HAS_PT),
+                     tl.load(low_ptr + t).to(tl.uint32, bitcast=True), m, kbuf_ptr + t * LARGE,
+                     pbuf_ptr + t * LARGE, out_ptr + t * stride_o, count_ptr + t, route_ptr + t,
+                     _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
+                     INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS)  # fmt: skip
 
 
 @triton.jit
@@ -692,18 +775,35 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         )  # fmt: skip
         return out, count
     interpreted = is_interpreted(_topk_row_kernel)
-    blk = block or (32 if interpreted else (2048 if path in ("row", "sampled") else 1024))
+    blk = block or (32 if interpreted else (2048 if path == "row" or (path == "sampled" and ns == 1) else 1024))
     common["BLOCK"] = blk
     if path == "sampled":
         sample, small, large = _sampled_sizes(C, k)
         kbuf = torch.empty((T, large), dtype=torch.int32, device=device)
         pbuf = torch.empty((T, large), dtype=torch.int32, device=device)
         route = route if route is not None else torch.empty((T,), dtype=torch.int32, device=device)
-        _topk_sampled_kernel[(T,)](
-            scores, out, count, route, kbuf, pbuf, pt, req, C, k, rows, rank, scores.stride(0), stride_pt,
-            out.stride(0),
-            **common, SAMPLE=sample, SIGMAS=SAMPLE_SIGMAS, SMALL=small, LARGE=large,
-            TAIL=max(16, min(next_pow2(k), 2048)), BITS=RESIDENT_BITS, num_warps=num_warps or _resident_warps(large),
+        held = dict(SMALL=small, LARGE=large, TAIL=max(16, min(next_pow2(k), 2048)), BITS=RESIDENT_BITS)
+        warps = num_warps or _resident_warps(large)
+        if ns == 1:
+            _topk_sampled_kernel[(T,)](
+                scores, out, count, route, kbuf, pbuf, pt, req, C, k, rows, rank, scores.stride(0), stride_pt,
+                out.stride(0), **common, SAMPLE=sample, SIGMAS=SAMPLE_SIGMAS, **held, num_warps=warps,
+            )  # fmt: skip
+            return out, count
+        chunk = cdiv(cdiv(C, ns), blk) * blk  # whole tiles a chunk
+        ns = cdiv(C, chunk)
+        low = torch.empty((T,), dtype=torch.int32, device=device)
+        cnt = torch.empty((T, ns), dtype=torch.int32, device=device)
+        _topk_sample_kernel[(T,)](scores, low, req, C, k, rows, scores.stride(0), HAS_PT=has_pt, SAMPLE=sample,
+                                  SIGMAS=SAMPLE_SIGMAS, BITS=RESIDENT_BITS, num_warps=_resident_warps(sample))
+        _topk_count_kernel[(T, ns)](scores, low, cnt, req, C, k, rows, chunk, ns, scores.stride(0), HAS_PT=has_pt,
+                                    BLOCK=blk, num_warps=num_warps or 4)  # fmt: skip
+        _topk_compact_kernel[(T, ns)](scores, low, cnt, kbuf, pbuf, req, C, k, rows, chunk, ns, scores.stride(0),
+                                      HAS_PT=has_pt, LARGE=large, BLOCK=blk, BLOCK_CHUNKS=next_pow2(ns),
+                                      num_warps=num_warps or 4)  # fmt: skip
+        _topk_finish_kernel[(T,)](
+            scores, low, cnt, out, count, route, kbuf, pbuf, pt, req, C, k, rows, rank, ns, scores.stride(0),
+            stride_pt, out.stride(0), **common, BLOCK_CHUNKS=next_pow2(ns), **held, num_warps=warps,
         )  # fmt: skip
         return out, count
     if path == "row":
@@ -753,7 +853,9 @@ def topk_select_triton(
       compacts the candidates at or above it into a buffer with one read, and selects the buffer
       as the resident path selects a row; the row path's passes where the buffer cannot hold
       the selection (:func:`_topk_sampled_kernel`). The default for one program a row above
-      ``RESIDENT_MAX``.
+      ``RESIDENT_MAX``. With ``chunks`` > 1 the count and the compaction are split over programs
+      (four launches: ``_topk_sample_kernel``, ``_topk_count_kernel``, ``_topk_compact_kernel``,
+      ``_topk_finish_kernel``; not timed yet, no default takes it).
     - ``"row"`` (grid (T,)): one program a row that reads the row again in ``block``-candidate
       tiles for each pass and for the write.
     - ``"chunked"``: each row split into ``chunks`` chunks; four histogram passes (grid (T, chunks)
@@ -761,11 +863,11 @@ def topk_select_triton(
       later passes skip their work when an earlier one settled the threshold) and one write launch.
 
     ``chunks`` programs a row: 1 means one program a row (resident or sampled by ``C``), more the
-    chunked path; unset, the launcher picks (:func:`_default_chunks`). ``path`` forces a path
-    (the one-program paths take no ``chunks`` > 1; ``"resident"`` at most ``RESIDENT_LIMIT``
-    candidates a row). ``block`` candidates are read a tile by the row, sampled and chunked paths
-    (a power of two >= 8; the resident path ignores it). ``num_warps`` overrides
-    the warps of any path.
+    chunked path (or the split sampled one with ``path="sampled"``); unset, the launcher picks
+    (:func:`_default_chunks`). ``path`` forces a path (``"resident"`` and ``"row"`` take no
+    ``chunks`` > 1; ``"resident"`` at most ``RESIDENT_LIMIT`` candidates a row). ``block``
+    candidates are read a tile by the row, sampled and chunked paths (a power of two >= 8; the
+    resident path ignores it). ``num_warps`` overrides the warps of any path.
     """
     _check_select(scores, k, page_table, req_ids, page_size)
     out, _ = _launch_select(scores, k, page_table, req_ids, page_size, None, chunks=chunks, block=block,
