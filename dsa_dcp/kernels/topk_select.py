@@ -80,6 +80,7 @@ SAMPLE_EVERY = 16
 SAMPLE_MAX = 8192
 SAMPLE_SIGMAS = 5.0
 ONE_PROGRAM_ROWS = 32
+SPLIT_SEGMENTS = True
 PATHS = ("resident", "row", "chunked", "sampled")
 ONE_PROGRAM_PATHS = ("resident", "row")
 
@@ -424,7 +425,7 @@ def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, 
     n = tl.sum(valid.to(tl.int32), axis=0)
     share = need.to(tl.float32) * n.to(tl.float32) / C.to(tl.float32)
     r = tl.minimum((share + SIGMAS * tl.sqrt(share) + 4.0).to(tl.int32) + 1, n)
-    prefix, _, level = _held_threshold(key, tl.where(need > 0, r, 0), BITS)
+    prefix, _, level = _held_threshold(key, r, BITS)  # r = 0 (no search) without a need: n = 0
     return tl.maximum(prefix << (32 - BITS * (level + 1)).to(tl.uint32), 1)
 
 
@@ -451,6 +452,17 @@ def _compact(row, lo, hi, low, m, kbuf, pbuf, live, LARGE: tl.constexpr, BLOCK: 
 
 
 @triton.jit
+def _select_buffer(kbuf, pbuf, m, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl.constexpr,
+                   HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr,
+                   LANES: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr):
+    """Select the ``need`` best of the buffer's first ``m`` keys and positions, held in LANES lanes."""
+    i = tl.arange(0, LANES)
+    _select_held(tl.load(kbuf + i, mask=i < m, other=0).to(tl.uint32, bitcast=True),
+                 tl.load(pbuf + i, mask=i < m, other=0), K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT,
+                 REMAP, DCP_SIZE, INTERLEAVE, TAIL, BITS)  # fmt: skip
+
+
+@triton.jit
 def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, out_row, count_ptr, route_ptr, page_row, RANK,
                      PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
                      INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr,
@@ -463,16 +475,12 @@ def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, out_row, count_ptr, ro
     safe = (m >= need) | (low == 1)
     if safe & (m <= SMALL):
         tl.store(route_ptr, 0)
-        i = tl.arange(0, SMALL)
-        _select_held(tl.load(kbuf + i, mask=i < m, other=0).to(tl.uint32, bitcast=True),
-                     tl.load(pbuf + i, mask=i < m, other=0), K, need, out_row, count_ptr, page_row, RANK, PAGE,
-                     HAS_PT, REMAP, DCP_SIZE, INTERLEAVE, TAIL, BITS)  # fmt: skip
+        _select_buffer(kbuf, pbuf, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
+                       INTERLEAVE, SMALL, TAIL, BITS)  # fmt: skip
     elif safe & (m <= LARGE):
         tl.store(route_ptr, 1)
-        i = tl.arange(0, LARGE)
-        _select_held(tl.load(kbuf + i, mask=i < m, other=0).to(tl.uint32, bitcast=True),
-                     tl.load(pbuf + i, mask=i < m, other=0), K, need, out_row, count_ptr, page_row, RANK, PAGE,
-                     HAS_PT, REMAP, DCP_SIZE, INTERLEAVE, TAIL, BITS)  # fmt: skip
+        _select_buffer(kbuf, pbuf, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
+                       INTERLEAVE, LARGE, TAIL, BITS)  # fmt: skip
     else:
         tl.store(route_ptr, 2)
         _select_tiled(row, C, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
@@ -556,6 +564,69 @@ def _topk_compact_kernel(scores_ptr, low_ptr, cnt_ptr, kbuf_ptr, pbuf_ptr, req_p
         _compact(scores_ptr + t * stride_s, lo, tl.minimum(lo + CHUNK, C), tl.load(low_ptr + t).to(tl.uint32,
                  bitcast=True), tl.sum(tl.where(chunks < j, counts, 0), axis=0), kbuf_ptr + t * LARGE,
                  pbuf_ptr + t * LARGE, _row_need(req_ptr, t, C, K, R, HAS_PT) > 0, LARGE, BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _topk_segment_kernel(scores_ptr, low_ptr, cnt_ptr, sk_ptr, sp_ptr, req_ptr, C, K, R, CHUNK, NCHUNK, stride_s,
+                         HAS_PT: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (T, NCHUNK): chunk j of row t compacts its candidates at or above ``low[t]`` into its
+    own segment of the row's buffer (at most SEG of them, :func:`_compact`) and stores how many
+    there were (all of them) in ``cnt[t, j]``."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    lo = j * CHUNK
+    seg = (t * NCHUNK + j) * SEG
+    n = _compact(scores_ptr + t * stride_s, lo, tl.minimum(lo + CHUNK, C), tl.load(low_ptr + t).to(tl.uint32,
+                 bitcast=True), tl.cast(0, tl.int32), sk_ptr + seg, sp_ptr + seg,
+                 _row_need(req_ptr, t, C, K, R, HAS_PT) > 0, SEG, BLOCK)  # fmt: skip
+    tl.store(cnt_ptr + t * NCHUNK + j, n)
+
+
+@triton.jit
+def _gather_segments(cnt_row, start_row, sk_row, sp_row, kbuf, pbuf, NCHUNK, SEG: tl.constexpr,
+                     LARGE: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr, TILE: tl.constexpr):
+    """Copy the row's segments, in chunk order, to the front of its buffer (as far as LARGE
+    entries); return the row's count ``m``. Each entry finds its chunk by a binary search over
+    the chunks' starts (stored at ``start_row``)."""
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    counts = tl.load(cnt_row + chunks, mask=chunks < NCHUNK, other=0)
+    m = tl.sum(counts, axis=0)
+    tl.store(start_row + chunks, tl.cumsum(counts, axis=0) - counts)  # padding chunks start at m
+    tl.debug_barrier()
+    for base in range(0, tl.minimum(m, LARGE), TILE):
+        i = base + tl.arange(0, TILE)
+        c = tl.zeros([TILE], dtype=tl.int32)
+        for step in tl.static_range(LOG_CHUNKS):
+            probe = c + (BLOCK_CHUNKS >> (step + 1))
+            c = tl.where(tl.load(start_row + probe) <= i, probe, c)
+        live = i < m
+        at = c * SEG + i - tl.load(start_row + c)
+        tl.store(kbuf + i, tl.load(sk_row + at, mask=live, other=0), mask=live)
+        tl.store(pbuf + i, tl.load(sp_row + at, mask=live, other=0), mask=live)
+    tl.debug_barrier()  # the buffer's stores before any lane reads them
+    return m
+
+
+@triton.jit
+def _topk_finish_segments_kernel(
+    scores_ptr, low_ptr, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr, count_ptr, route_ptr, kbuf_ptr, pbuf_ptr,
+    pt_ptr, req_ptr, C, K, R, RANK, NCHUNK, stride_s, stride_pt, stride_o,
+    PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr,
+    SEG: tl.constexpr, GATHER: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """Grid (T,): row t's segments gathered into its buffer (:func:`_gather_segments`), then
+    selected from it (:func:`_select_buffered`)."""
+    t = tl.program_id(0).to(tl.int64)
+    kbuf = kbuf_ptr + t * LARGE
+    pbuf = pbuf_ptr + t * LARGE
+    m = _gather_segments(cnt_ptr + t * NCHUNK, start_ptr + t * BLOCK_CHUNKS, sk_ptr + t * NCHUNK * SEG,
+                         sp_ptr + t * NCHUNK * SEG, kbuf, pbuf, NCHUNK, SEG, LARGE, BLOCK_CHUNKS, LOG_CHUNKS, GATHER)
+    _select_buffered(scores_ptr + t * stride_s, C, K, _row_need(req_ptr, t, C, K, R, HAS_PT),
+                     tl.load(low_ptr + t).to(tl.uint32, bitcast=True), m, kbuf, pbuf, out_ptr + t * stride_o,
+                     count_ptr + t, route_ptr + t, _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE,
+                     HAS_PT, REMAP, DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS)  # fmt: skip
 
 
 @triton.jit
@@ -796,6 +867,20 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         cnt = torch.empty((T, ns), dtype=torch.int32, device=device)
         _topk_sample_kernel[(T,)](scores, low, req, C, k, rows, scores.stride(0), HAS_PT=has_pt, SAMPLE=sample,
                                   SIGMAS=SAMPLE_SIGMAS, BITS=RESIDENT_BITS, num_warps=_resident_warps(sample))
+        if SPLIT_SEGMENTS:
+            seg = min(chunk, large)
+            sk = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
+            sp = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
+            start = torch.empty((T, next_pow2(ns)), dtype=torch.int32, device=device)
+            _topk_segment_kernel[(T, ns)](scores, low, cnt, sk, sp, req, C, k, rows, chunk, ns, scores.stride(0),
+                                          HAS_PT=has_pt, SEG=seg, BLOCK=blk, num_warps=num_warps or 4)  # fmt: skip
+            _topk_finish_segments_kernel[(T,)](
+                scores, low, cnt, start, sk, sp, out, count, route, kbuf, pbuf, pt, req, C, k, rows, rank, ns,
+                scores.stride(0), stride_pt, out.stride(0), **common, BLOCK_CHUNKS=next_pow2(ns),
+                LOG_CHUNKS=next_pow2(ns).bit_length() - 1, SEG=seg, GATHER=32 if interpreted else 1024, **held,
+                num_warps=warps,
+            )  # fmt: skip
+            return out, count
         _topk_count_kernel[(T, ns)](scores, low, cnt, req, C, k, rows, chunk, ns, scores.stride(0), HAS_PT=has_pt,
                                     BLOCK=blk, num_warps=num_warps or 4)  # fmt: skip
         _topk_compact_kernel[(T, ns)](scores, low, cnt, kbuf, pbuf, req, C, k, rows, chunk, ns, scores.stride(0),
