@@ -451,7 +451,7 @@ def test_topk_select_sampled_routes(monkeypatch):
     tiled passes otherwise (ties past the buffer, NaN past it, a threshold set above the k-th
     best); every route gives the references' answer, as positions, as slots and fused with the
     remap on every rank, by one program a row and with the row split over three programs (the
-    same routes: the same threshold and count)."""
+    same routes: the same threshold and count), in both split forms."""
     gen = _gen("sampled")
     monkeypatch.setattr(select_mod, "SAMPLE_EVERY", 2)  # a sample of 128: thresholds near the k-th best
     T, C, k, page = 8, 256, 12, 16
@@ -479,6 +479,10 @@ def test_topk_select_sampled_routes(monkeypatch):
 
     # -4: thresholds above the k-th best (too few candidates): the tiled passes
     routes = {(sigmas, chunks): select(sigmas, chunks) for sigmas in (5.0, 0.0, -4.0) for chunks in (1, 3)}
+    monkeypatch.setattr(select_mod, "SPLIT_SEGMENTS", False)  # the split form that counts, then compacts
+    counted = {sigmas: select(sigmas, 3) for sigmas in (5.0, -4.0)}
+    monkeypatch.setattr(select_mod, "SPLIT_SEGMENTS", True)
+    assert counted == {sigmas: routes[sigmas, 3] for sigmas in counted}
     for (sigmas, chunks), route in routes.items():
         assert route == routes[sigmas, 1], "the split rows take the same routes (same threshold, same count)"
         assert route[2] == 2 and route[6] == 2, route  # past the large buffer
