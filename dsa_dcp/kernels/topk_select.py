@@ -585,15 +585,17 @@ def _topk_segment_kernel(scores_ptr, low_ptr, cnt_ptr, sk_ptr, sp_ptr, req_ptr, 
 @triton.jit
 def _gather_segments(cnt_row, start_row, sk_row, sp_row, kbuf, pbuf, NCHUNK, SEG: tl.constexpr,
                      LARGE: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr, TILE: tl.constexpr):
-    """Copy the row's segments, in chunk order, to the front of its buffer (as far as LARGE
-    entries); return the row's count ``m``. Each entry finds its chunk by a binary search over
-    the chunks' starts (stored at ``start_row``)."""
+    """Copy the row's segments, in chunk order, to the front of its buffer when they fit it
+    (``m <= LARGE``; else the tiled passes select the row and nothing is copied); return the row's
+    count ``m``. Each entry finds its chunk by a binary search over the chunks' starts (stored at
+    ``start_row``). A chunk's count exceeds SEG only if it exceeds LARGE (SEG = min(chunk,
+    LARGE)), so every copied entry was stored."""
     chunks = tl.arange(0, BLOCK_CHUNKS)
     counts = tl.load(cnt_row + chunks, mask=chunks < NCHUNK, other=0)
     m = tl.sum(counts, axis=0)
     tl.store(start_row + chunks, tl.cumsum(counts, axis=0) - counts)  # padding chunks start at m
     tl.debug_barrier()
-    for base in range(0, tl.minimum(m, LARGE), TILE):
+    for base in range(0, tl.where(m <= LARGE, m, 0), TILE):
         i = base + tl.arange(0, TILE)
         c = tl.zeros([TILE], dtype=tl.int32)
         for step in tl.static_range(LOG_CHUNKS):
