@@ -445,6 +445,26 @@ def test_topk_select_resident_random():
                 assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (k, N, r)
 
 
+@pytest.mark.parametrize("T, C, want", [
+    (1, 4096, ("resident", 1)),  # fits one program's registers
+    (128, 8192, ("resident", 1)),
+    (1, 32768, ("chunked", 32)),  # few rows: the chunked passes, 1024 candidates a program
+    (4, 131072, ("chunked", 66)),  # about two programs an SM
+    (8, 16384, ("sampled", 16)),  # from 8 rows the split sampled form
+    (32, 131072, ("sampled", 9)),
+    (128, 16384, ("sampled", 1)),  # <= 16K candidates and <= 4 programs a row: one program
+    (128, 32768, ("sampled", 3)),
+    (2048, 131072, ("sampled", 2)),  # at least two programs a split row
+])
+def test_topk_select_default_plan(monkeypatch, T, C, want):
+    """The launcher's (path, programs a row) on a GPU of 132 SMs (an H200), and on the CPU one
+    program a row, as docs/kernels.md states them."""
+    monkeypatch.setattr(select_mod, "sm_count", lambda device: 132)
+    assert select_mod._default_plan(T, C, torch.device("cuda")) == want
+    cpu = select_mod._default_plan(T, C, torch.device("cpu"))
+    assert cpu == ("resident" if C <= select_mod.RESIDENT_MAX else "sampled", 1)
+
+
 def test_topk_select_sampled_routes(monkeypatch):
     """The sampled path selects each row from its buffer when the sample's threshold is safe and
     the buffer holds the candidates above it (the small buffer or the large one), and by the

@@ -216,20 +216,14 @@ def _topk_inputs(b: int, ctx: int):
     return scores, page_table, torch.arange(b, device="cuda")
 
 
-def _split_chunks(b: int, ctx: int) -> int:
-    from dsa_dcp.kernels._common import sm_count
-
-    return max(2, min(math.ceil(2 * sm_count(torch.device("cuda")) / b), ctx // 1024))
-
-
 def bench_topk(batches, contexts, out: list) -> None:
     from dsa_dcp.kernels import topk_select_reference, topk_select_triton
-    from dsa_dcp.kernels.topk_select import RESIDENT_LIMIT
+    from dsa_dcp.kernels.topk_select import RESIDENT_LIMIT, split_programs
 
     for b, ctx in itertools.product(batches, contexts):
         scores, pt, req = _topk_inputs(b, ctx)
         ref = topk_select_reference(scores, K, pt, req, PAGE)
-        split = _split_chunks(b, ctx)
+        split = split_programs(b, ctx, scores.device)
         row = {"part": "topk", "B": b, "ctx": ctx, "K": K, "bytes": b * ctx * 4 + b * K * 4, "split_chunks": split}
         paths = {"ours": {}, "resident": {"path": "resident"}, "row": {"path": "row"}, "split": {"chunks": split},
                  "sampled": {"path": "sampled", "chunks": 1}, "sampled_split": {"path": "sampled", "chunks": split}}

@@ -79,7 +79,11 @@ RESIDENT_LIMIT = 32768
 SAMPLE_EVERY = 16
 SAMPLE_MAX = 8192
 SAMPLE_SIGMAS = 5.0
-ONE_PROGRAM_ROWS = 32
+# Rows above RESIDENT_MAX candidates are split over programs (:func:`_default_plan`): fewer than
+# SPLIT_SAMPLED_ROWS rows by the chunked passes, more by the split sampled form; rows of up to
+# ONE_PROGRAM_MAX candidates that would get at most four programs each keep one.
+SPLIT_SAMPLED_ROWS = 8
+ONE_PROGRAM_MAX = 16384
 SPLIT_SEGMENTS = True
 PATHS = ("resident", "row", "chunked", "sampled")
 ONE_PROGRAM_PATHS = ("resident", "row")
@@ -775,17 +779,31 @@ def _topk_write_kernel(
         _write_tail(out_ptr + t * stride_o, count_ptr + t, own if REMAP else sel, K, REMAP, BLOCK)
 
 
-def _default_chunks(T: int, C: int, device: torch.device) -> int:
-    """Programs per row. One (the whole selection in one launch) for short rows or ONE_PROGRAM_ROWS
-    rows and more; else split each row so that about two programs run per SM, each over 1024
-    candidates or more (a pass launch each, see :func:`topk_select_triton`). On an H200 (K = 2048)
-    the split rows took 29.0 us at batch 8 / 32K against 51.3 for the sampled kernel, one program a
-    row, and 57.8 against 51.0 at batch 32 / 32K (168.5 against 144.7 at batch 32 / 128K)."""
+def split_programs(T: int, C: int, device: torch.device) -> int:
+    """Programs a row when rows are split: about two programs an SM, each over 1024 candidates or
+    more, at least two (one off the GPU, where nothing runs in parallel)."""
     if device.type != "cuda":
         return 1
-    if C <= 8192 or T >= ONE_PROGRAM_ROWS:
-        return 1
-    return max(1, min(cdiv(2 * sm_count(device), T), C // 1024))
+    return max(2, min(cdiv(2 * sm_count(device), T), C // 1024))
+
+
+def _default_plan(T: int, C: int, device: torch.device) -> tuple[str, int]:
+    """(path, programs a row) the launcher takes for T rows of C candidates.
+
+    Up to RESIDENT_MAX candidates one program holds its row (resident). Longer rows are split
+    (:func:`split_programs`): under SPLIT_SAMPLED_ROWS rows by the chunked passes, from there by
+    the split sampled form, except that rows of up to ONE_PROGRAM_MAX candidates that would get
+    at most four programs each keep one program a row (sampled). On an H200 (K = 2048, in a CUDA
+    graph, fp32 randn scores, ``bench indexer --only topk``; us): chunked / split sampled at batch
+    1 were 23.7 / 24.8 (16K), 24.1 / 25.5 (32K), 24.9 / 35.7 (128K); at batch 8 27.2 / 25.7,
+    29.2 / 29.4, 57.4 / 43.5; one program / split sampled at batch 32 35.3 / 30.0, 51.7 / 33.8,
+    142.9 / 63.5, and at batch 128 (three programs a row) 32.7 / 36.5, 52.4 / 49.8, 170.6 / 135.8."""
+    if C <= RESIDENT_MAX:
+        return "resident", 1
+    ns = split_programs(T, C, device)
+    if ns == 1 or (C <= ONE_PROGRAM_MAX and ns <= 4 and T >= SPLIT_SAMPLED_ROWS):
+        return "sampled", 1
+    return ("chunked" if T < SPLIT_SAMPLED_ROWS else "sampled"), ns
 
 
 def _resident_warps(block: int) -> int:
@@ -834,9 +852,12 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
     req = req_ids.contiguous() if has_pt else count
     stride_pt = pt.stride(0) if has_pt else 0
     rows = page_table.shape[0] if has_pt else 1
-    ns = 1 if path in ONE_PROGRAM_PATHS else chunks or _default_chunks(T, C, device)
-    if path is None:
-        path = "chunked" if ns > 1 else "resident" if C <= RESIDENT_MAX else "sampled"
+    if path is None and chunks is None:
+        path, ns = _default_plan(T, C, device)
+    elif path is None:
+        path, ns = ("chunked" if chunks > 1 else "resident" if C <= RESIDENT_MAX else "sampled"), chunks
+    else:
+        ns = 1 if path in ONE_PROGRAM_PATHS else chunks or split_programs(T, C, device)
     common = dict(PAGE=page_size, HAS_PT=has_pt, REMAP=remap is not None, DCP_SIZE=dcp_size,
                   INTERLEAVE=interleave)  # fmt: skip
     if path == "resident":
@@ -939,10 +960,9 @@ def topk_select_triton(
     - ``"sampled"`` (grid (T,)): one program a row takes a threshold from a sample of the row,
       compacts the candidates at or above it into a buffer with one read, and selects the buffer
       as the resident path selects a row; the row path's passes where the buffer cannot hold
-      the selection (:func:`_topk_sampled_kernel`). The default for one program a row above
-      ``RESIDENT_MAX``. With ``chunks`` > 1 the count and the compaction are split over programs
-      (four launches: ``_topk_sample_kernel``, ``_topk_count_kernel``, ``_topk_compact_kernel``,
-      ``_topk_finish_kernel``; not timed yet, no default takes it).
+      the selection (:func:`_topk_sampled_kernel`). With ``chunks`` > 1 the compaction is split
+      over programs (three launches: ``_topk_sample_kernel``, ``_topk_segment_kernel``,
+      ``_topk_finish_segments_kernel``).
     - ``"row"`` (grid (T,)): one program a row that reads the row again in ``block``-candidate
       tiles for each pass and for the write.
     - ``"chunked"``: each row split into ``chunks`` chunks; four histogram passes (grid (T, chunks)
@@ -950,8 +970,9 @@ def topk_select_triton(
       later passes skip their work when an earlier one settled the threshold) and one write launch.
 
     ``chunks`` programs a row: 1 means one program a row (resident or sampled by ``C``), more the
-    chunked path (or the split sampled one with ``path="sampled"``); unset, the launcher picks
-    (:func:`_default_chunks`). ``path`` forces a path (``"resident"`` and ``"row"`` take no
+    chunked path (or the split sampled one with ``path="sampled"``); with neither set, the
+    launcher picks both (:func:`_default_plan`), and a path forced without ``chunks`` gets
+    :func:`split_programs`. ``path`` forces a path (``"resident"`` and ``"row"`` take no
     ``chunks`` > 1; ``"resident"`` at most ``RESIDENT_LIMIT`` candidates a row). ``block``
     candidates are read a tile by the row, sampled and chunked paths (a power of two >= 8; the
     resident path ignores it). ``num_warps`` overrides the warps of any path.
