@@ -857,7 +857,7 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
     elif path is None:
         path, ns = ("chunked" if chunks > 1 else "resident" if C <= RESIDENT_MAX else "sampled"), chunks
     else:
-        ns = 1 if path in ONE_PROGRAM_PATHS else chunks or split_programs(T, C, device)
+        ns = 1 if path in ONE_PROGRAM_PATHS else chunks or 1
     common = dict(PAGE=page_size, HAS_PT=has_pt, REMAP=remap is not None, DCP_SIZE=dcp_size,
                   INTERLEAVE=interleave)  # fmt: skip
     if path == "resident":
@@ -971,8 +971,8 @@ def topk_select_triton(
 
     ``chunks`` programs a row: 1 means one program a row (resident or sampled by ``C``), more the
     chunked path (or the split sampled one with ``path="sampled"``); with neither set, the
-    launcher picks both (:func:`_default_plan`), and a path forced without ``chunks`` gets
-    :func:`split_programs`. ``path`` forces a path (``"resident"`` and ``"row"`` take no
+    launcher picks both (:func:`_default_plan`), and a path forced without ``chunks`` runs one
+    program a row. ``path`` forces a path (``"resident"`` and ``"row"`` take no
     ``chunks`` > 1; ``"resident"`` at most ``RESIDENT_LIMIT`` candidates a row). ``block``
     candidates are read a tile by the row, sampled and chunked paths (a power of two >= 8; the
     resident path ignores it). ``num_warps`` overrides the warps of any path.
