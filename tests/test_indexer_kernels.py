@@ -499,10 +499,6 @@ def test_topk_select_sampled_routes(monkeypatch):
 
     # -4: thresholds above the k-th best (too few candidates): the tiled passes
     routes = {(sigmas, chunks): select(sigmas, chunks) for sigmas in (5.0, 0.0, -4.0) for chunks in (1, 3)}
-    monkeypatch.setattr(select_mod, "SPLIT_SEGMENTS", False)  # the split form that counts, then compacts
-    counted = {sigmas: select(sigmas, 3) for sigmas in (5.0, -4.0)}
-    monkeypatch.setattr(select_mod, "SPLIT_SEGMENTS", True)
-    assert counted == {sigmas: routes[sigmas, 3] for sigmas in counted}
     for (sigmas, chunks), route in routes.items():
         assert route == routes[sigmas, 1], "the split rows take the same routes (same threshold, same count)"
         assert route[2] == 2 and route[6] == 2, route  # past the large buffer
@@ -535,13 +531,16 @@ class _Launches:
 
 def test_topk_select_paths_and_keywords(monkeypatch):
     """One program a row runs the resident kernel up to RESIDENT_MAX candidates, the sampled kernel
-    above; ``chunks`` > 1 forces the chunked passes, ``path`` any path; bad keywords raise."""
+    above; with neither keyword the default plan picks (on the GPU two rows above RESIDENT_MAX are
+    split: the chunked passes); ``chunks`` > 1 forces the chunked passes, ``path`` any path; bad
+    keywords raise."""
     monkeypatch.setattr(select_mod, "RESIDENT_MAX", 32)
     names = ("_topk_resident_kernel", "_topk_write_kernel", "_topk_sampled_kernel")  # (the row kernel: none of them)
     spies = {name: _Launches(getattr(select_mod, name)) for name in names}
     for name, spy in spies.items():
         monkeypatch.setattr(select_mod, name, spy)
-    cases = [(32, dict(), "resident"), (40, dict(), "sampled"), (40, dict(chunks=1), "sampled"),
+    default_long = select_mod._default_plan(2, 40, torch.device(DEVICE))[0]
+    cases = [(32, dict(), "resident"), (40, dict(), default_long), (40, dict(chunks=1), "sampled"),
              (32, dict(chunks=2), "chunked"), (40, dict(path="resident", num_warps=4), "resident"),
              (32, dict(path="row"), "row"), (32, dict(path="chunked"), "chunked"),
              (32, dict(path="sampled"), "sampled")]  # fmt: skip

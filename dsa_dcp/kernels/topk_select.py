@@ -84,7 +84,6 @@ SAMPLE_SIGMAS = 5.0
 # ONE_PROGRAM_MAX candidates that would get at most four programs each keep one.
 SPLIT_SAMPLED_ROWS = 8
 ONE_PROGRAM_MAX = 16384
-SPLIT_SEGMENTS = True
 PATHS = ("resident", "row", "chunked", "sampled")
 ONE_PROGRAM_PATHS = ("resident", "row")
 
@@ -434,11 +433,12 @@ def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, 
 
 
 @triton.jit
-def _compact(row, lo, hi, low, m, kbuf, pbuf, live, LARGE: tl.constexpr, BLOCK: tl.constexpr):
-    """Append the keys (as int32 bits) and positions of the candidates of [lo, hi) whose key is at
-    or above ``low`` to the buffer after its first ``m`` entries, in position order, as far as
-    LARGE entries; return ``m`` plus how many there were (all of them, stored or not)."""
+def _compact(row, lo, hi, low, kbuf, pbuf, live, LARGE: tl.constexpr, BLOCK: tl.constexpr):
+    """Store the keys (as int32 bits) and positions of the candidates of [lo, hi) whose key is at
+    or above ``low`` at the front of the buffer, in position order, as far as LARGE entries;
+    return how many there were (all of them, stored or not)."""
     lane = tl.arange(0, BLOCK)
+    m = tl.cast(0, tl.int32)
     nxt = tl.load(row + lo + lane, mask=tl.where(live, lo + lane < hi, False), other=float("-inf"))
     for start in range(lo, hi, BLOCK):
         offs = start + lane
@@ -513,14 +513,15 @@ def _topk_sampled_kernel(
     kbuf = kbuf_ptr + t * LARGE
     pbuf = pbuf_ptr + t * LARGE
     low = _sample_threshold(row, C, need, SAMPLE, SIGMAS, BITS)
-    m = _compact(row, 0, C, low, tl.cast(0, tl.int32), kbuf, pbuf, need > 0, LARGE, BLOCK)
+    m = _compact(row, 0, C, low, kbuf, pbuf, need > 0, LARGE, BLOCK)
     tl.debug_barrier()  # the buffer's stores before any lane reads them
     _select_buffered(row, C, K, need, low, m, kbuf, pbuf, out_ptr + t * stride_o, count_ptr + t, route_ptr + t,
                      _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
                      INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS)  # fmt: skip
 
 
-# The sampled path with each row split over chunks: four launches, no program waits for another.
+# The sampled path with each row split over chunks: three launches (threshold, segments, finish), no
+# program waits for another.
 
 
 @triton.jit
@@ -534,43 +535,6 @@ def _topk_sample_kernel(scores_ptr, low_ptr, req_ptr, C, K, R, stride_s, HAS_PT:
 
 
 @triton.jit
-def _topk_count_kernel(scores_ptr, low_ptr, cnt_ptr, req_ptr, C, K, R, CHUNK, NCHUNK, stride_s,
-                       HAS_PT: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (T, NCHUNK): how many candidates of chunk j of row t are at or above ``low[t]``."""
-    t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    live = _row_need(req_ptr, t, C, K, R, HAS_PT) > 0
-    low = tl.load(low_ptr + t).to(tl.uint32, bitcast=True)
-    row = scores_ptr + t * stride_s
-    lo = j * CHUNK
-    hi = tl.minimum(lo + CHUNK, C)
-    n = 0
-    for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(row + offs, mask=tl.where(live, offs < hi, False), other=float("-inf"))
-        n += tl.sum((_ordered_key(x.to(tl.float32)) >= low).to(tl.int32), axis=0)  # -inf (key 0) is below low
-    tl.store(cnt_ptr + t * NCHUNK + j, n)
-
-
-@triton.jit
-def _topk_compact_kernel(scores_ptr, low_ptr, cnt_ptr, kbuf_ptr, pbuf_ptr, req_ptr, C, K, R, CHUNK, NCHUNK,
-                         stride_s, HAS_PT: tl.constexpr, LARGE: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_CHUNKS: tl.constexpr):
-    """Grid (T, NCHUNK): chunk j of row t appends its candidates at or above ``low[t]`` to the
-    row's buffer after those of the chunks before it (:func:`_compact`), when the row's count
-    fits the buffer (else the finishing launch selects the row by the tiled passes)."""
-    t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    chunks = tl.arange(0, BLOCK_CHUNKS)
-    counts = tl.load(cnt_ptr + t * NCHUNK + chunks, mask=chunks < NCHUNK, other=0)
-    if tl.sum(counts, axis=0) <= LARGE:
-        lo = j * CHUNK
-        _compact(scores_ptr + t * stride_s, lo, tl.minimum(lo + CHUNK, C), tl.load(low_ptr + t).to(tl.uint32,
-                 bitcast=True), tl.sum(tl.where(chunks < j, counts, 0), axis=0), kbuf_ptr + t * LARGE,
-                 pbuf_ptr + t * LARGE, _row_need(req_ptr, t, C, K, R, HAS_PT) > 0, LARGE, BLOCK)  # fmt: skip
-
-
-@triton.jit
 def _topk_segment_kernel(scores_ptr, low_ptr, cnt_ptr, sk_ptr, sp_ptr, req_ptr, C, K, R, CHUNK, NCHUNK, stride_s,
                          HAS_PT: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (T, NCHUNK): chunk j of row t compacts its candidates at or above ``low[t]`` into its
@@ -581,7 +545,7 @@ def _topk_segment_kernel(scores_ptr, low_ptr, cnt_ptr, sk_ptr, sp_ptr, req_ptr, 
     lo = j * CHUNK
     seg = (t * NCHUNK + j) * SEG
     n = _compact(scores_ptr + t * stride_s, lo, tl.minimum(lo + CHUNK, C), tl.load(low_ptr + t).to(tl.uint32,
-                 bitcast=True), tl.cast(0, tl.int32), sk_ptr + seg, sp_ptr + seg,
+                 bitcast=True), sk_ptr + seg, sp_ptr + seg,
                  _row_need(req_ptr, t, C, K, R, HAS_PT) > 0, SEG, BLOCK)  # fmt: skip
     tl.store(cnt_ptr + t * NCHUNK + j, n)
 
@@ -633,25 +597,6 @@ def _topk_finish_segments_kernel(
                      tl.load(low_ptr + t).to(tl.uint32, bitcast=True), m, kbuf, pbuf, out_ptr + t * stride_o,
                      count_ptr + t, route_ptr + t, _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE,
                      HAS_PT, REMAP, DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS)  # fmt: skip
-
-
-@triton.jit
-def _topk_finish_kernel(
-    scores_ptr, low_ptr, cnt_ptr, out_ptr, count_ptr, route_ptr, kbuf_ptr, pbuf_ptr, pt_ptr, req_ptr, C, K, R,
-    RANK, NCHUNK, stride_s, stride_pt, stride_o,
-    PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
-    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, SMALL: tl.constexpr,
-    LARGE: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
-):
-    """Grid (T,): row t selected from the buffer its chunks filled (:func:`_select_buffered`)."""
-    t = tl.program_id(0).to(tl.int64)
-    chunks = tl.arange(0, BLOCK_CHUNKS)
-    m = tl.sum(tl.load(cnt_ptr + t * NCHUNK + chunks, mask=chunks < NCHUNK, other=0), axis=0)
-    _select_buffered(scores_ptr + t * stride_s, C, K, _row_need(req_ptr, t, C, K, R, HAS_PT),
-                     tl.load(low_ptr + t).to(tl.uint32, bitcast=True), m, kbuf_ptr + t * LARGE,
-                     pbuf_ptr + t * LARGE, out_ptr + t * stride_o, count_ptr + t, route_ptr + t,
-                     _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
-                     INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS)  # fmt: skip
 
 
 @triton.jit
@@ -890,28 +835,17 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         cnt = torch.empty((T, ns), dtype=torch.int32, device=device)
         _topk_sample_kernel[(T,)](scores, low, req, C, k, rows, scores.stride(0), HAS_PT=has_pt, SAMPLE=sample,
                                   SIGMAS=SAMPLE_SIGMAS, BITS=RESIDENT_BITS, num_warps=_resident_warps(sample))
-        if SPLIT_SEGMENTS:
-            seg = min(chunk, large)
-            sk = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
-            sp = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
-            start = torch.empty((T, next_pow2(ns)), dtype=torch.int32, device=device)
-            _topk_segment_kernel[(T, ns)](scores, low, cnt, sk, sp, req, C, k, rows, chunk, ns, scores.stride(0),
-                                          HAS_PT=has_pt, SEG=seg, BLOCK=blk, num_warps=num_warps or 4)  # fmt: skip
-            _topk_finish_segments_kernel[(T,)](
-                scores, low, cnt, start, sk, sp, out, count, route, kbuf, pbuf, pt, req, C, k, rows, rank, ns,
-                scores.stride(0), stride_pt, out.stride(0), **common, BLOCK_CHUNKS=next_pow2(ns),
-                LOG_CHUNKS=next_pow2(ns).bit_length() - 1, SEG=seg, GATHER=32 if interpreted else 1024, **held,
-                num_warps=warps,
-            )  # fmt: skip
-            return out, count
-        _topk_count_kernel[(T, ns)](scores, low, cnt, req, C, k, rows, chunk, ns, scores.stride(0), HAS_PT=has_pt,
-                                    BLOCK=blk, num_warps=num_warps or 4)  # fmt: skip
-        _topk_compact_kernel[(T, ns)](scores, low, cnt, kbuf, pbuf, req, C, k, rows, chunk, ns, scores.stride(0),
-                                      HAS_PT=has_pt, LARGE=large, BLOCK=blk, BLOCK_CHUNKS=next_pow2(ns),
-                                      num_warps=num_warps or 4)  # fmt: skip
-        _topk_finish_kernel[(T,)](
-            scores, low, cnt, out, count, route, kbuf, pbuf, pt, req, C, k, rows, rank, ns, scores.stride(0),
-            stride_pt, out.stride(0), **common, BLOCK_CHUNKS=next_pow2(ns), **held, num_warps=warps,
+        seg = min(chunk, large)
+        sk = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
+        sp = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
+        start = torch.empty((T, next_pow2(ns)), dtype=torch.int32, device=device)
+        _topk_segment_kernel[(T, ns)](scores, low, cnt, sk, sp, req, C, k, rows, chunk, ns, scores.stride(0),
+                                      HAS_PT=has_pt, SEG=seg, BLOCK=blk, num_warps=num_warps or 4)  # fmt: skip
+        _topk_finish_segments_kernel[(T,)](
+            scores, low, cnt, start, sk, sp, out, count, route, kbuf, pbuf, pt, req, C, k, rows, rank, ns,
+            scores.stride(0), stride_pt, out.stride(0), **common, BLOCK_CHUNKS=next_pow2(ns),
+            LOG_CHUNKS=next_pow2(ns).bit_length() - 1, SEG=seg, GATHER=32 if interpreted else 1024, **held,
+            num_warps=warps,
         )  # fmt: skip
         return out, count
     if path == "row":
