@@ -471,7 +471,7 @@ def test_topk_select_sampled_routes(monkeypatch):
     tiled passes otherwise (ties past the buffer, NaN past it, a threshold set above the k-th
     best); every route gives the references' answer, as positions, as slots and fused with the
     remap on every rank, by one program a row and with the row split over three programs (the
-    same routes: the same threshold and count), in both split forms."""
+    same routes: the same threshold and count), also with the threshold's search stopped early."""
     gen = _gen("sampled")
     monkeypatch.setattr(select_mod, "SAMPLE_EVERY", 2)  # a sample of 128: thresholds near the k-th best
     T, C, k, page = 8, 256, 12, 16
@@ -506,6 +506,12 @@ def test_topk_select_sampled_routes(monkeypatch):
         assert sigmas < 0 or route[1] in (0, 1), route
     assert {0, 1} <= set(routes[0.0, 1]) and 1 in routes[5.0, 1]
     assert routes[-4.0, 1].count(2) > routes[5.0, 1].count(2), "a threshold too high takes the tiled passes"
+    default_prefix_bits = select_mod.SAMPLE_PREFIX_BITS
+    for prefix_bits in (4, 12):  # the threshold's search stopped early: a lower threshold, the same answer
+        monkeypatch.setattr(select_mod, "SAMPLE_PREFIX_BITS", prefix_bits)
+        coarse = [select(sigmas, chunks) for sigmas in (5.0, -4.0) for chunks in (1, 3)]
+        assert coarse[0] == coarse[1] and coarse[2] == coarse[3], (prefix_bits, coarse)
+    monkeypatch.setattr(select_mod, "SAMPLE_PREFIX_BITS", default_prefix_bits)
     pt_args = (page_table, req_ids)
     for chunks in (1, 3):  # through the page table, and fused with the remap on every rank
         route = select(0.0, chunks, pt_args)

@@ -79,6 +79,10 @@ RESIDENT_LIMIT = 32768
 SAMPLE_EVERY = 16
 SAMPLE_MAX = 8192
 SAMPLE_SIGMAS = 5.0
+# The threshold's search stops after the key's top SAMPLE_PREFIX_BITS bits (fp32: sign, exponent and
+# the first 11 bits of the mantissa): the floor of that bin lies within 2**-11 of the sample's r-th
+# best, relative, which lets through a few more candidates and saves the search's last passes.
+SAMPLE_PREFIX_BITS = 20
 # Rows above RESIDENT_MAX candidates are split over programs (:func:`_default_plan`): fewer than
 # SPLIT_SAMPLED_ROWS rows by the chunked passes, more by the split sampled form; rows of up to
 # ONE_PROGRAM_MAX candidates that would get at most four programs each keep one.
@@ -336,10 +340,12 @@ def _topk_row_kernel(
 
 
 @triton.jit
-def _held_threshold(key, need, BITS: tl.constexpr):
+def _held_threshold(key, need, BITS: tl.constexpr, PREFIX_BITS: tl.constexpr = 32):
     """The radix search over a register tensor of keys: (prefix, need, level) as the passes leave
-    them, ``BITS``-bit digits, stopping when the whole bin is needed (``need == 0``: no search)."""
-    PASSES: tl.constexpr = 32 // BITS
+    them, ``BITS``-bit digits, stopping when the whole bin is needed (``need == 0``: no search) or
+    after the top PREFIX_BITS bits (then ``need`` may still be > 0: the prefix's bin holds the
+    ``need``-th best, and its floor is at or below it)."""
+    PASSES: tl.constexpr = PREFIX_BITS // BITS
     prefix = tl.cast(0, tl.uint32)
     level = tl.cast(0, tl.int32)
     done = need == 0
@@ -413,12 +419,14 @@ def _topk_resident_kernel(
 
 
 @triton.jit
-def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, BITS: tl.constexpr):
+def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, BITS: tl.constexpr,
+                      PREFIX_BITS: tl.constexpr):
     """A key ``>= 1`` below which, with high probability, none of the row's ``need`` best lie: the
     r-th best of SAMPLE candidates taken one in ``ceil(C / SAMPLE)`` (at a hashed offset in
     each stride, so no period of the scores lines up with the sample), where r is the count the
     sample's share of the need would give plus SIGMAS standard deviations and 4. Only a guess:
-    the caller checks it against the row's count."""
+    the caller checks it against the row's count. The search stops after the key's top
+    PREFIX_BITS bits; the threshold is then the floor of the bin that holds the r-th best."""
     i = tl.arange(0, SAMPLE)
     stride = (C + SAMPLE - 1) // SAMPLE
     jitter = (((i.to(tl.uint32) * 2654435761) >> 16) % stride.to(tl.uint32)).to(tl.int32)
@@ -428,7 +436,7 @@ def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, 
     n = tl.sum(valid.to(tl.int32), axis=0)
     share = need.to(tl.float32) * n.to(tl.float32) / C.to(tl.float32)
     r = tl.minimum((share + SIGMAS * tl.sqrt(share) + 4.0).to(tl.int32) + 1, n)
-    prefix, _, level = _held_threshold(key, r, BITS)  # r = 0 (no search) without a need: n = 0
+    prefix, _, level = _held_threshold(key, r, BITS, PREFIX_BITS)  # r = 0 (no search) without a need: n = 0
     return tl.maximum(prefix << (32 - BITS * (level + 1)).to(tl.uint32), 1)
 
 
@@ -456,21 +464,41 @@ def _compact(row, lo, hi, low, kbuf, pbuf, live, LARGE: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _select_buffer(kbuf, pbuf, m, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl.constexpr,
+def _entry_at(i, start_row, SEG: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr):
+    """Where entry ``i`` of a row's buffer lies. A buffer of one segment (``LOG_CHUNKS`` 0) holds
+    it at ``i``; a buffer of segments (SEG entries each, chunk c's entries numbered from
+    ``start_row[c]`` on, the starts ascending over BLOCK_CHUNKS chunks, padding chunks starting at
+    the row's count) at ``c * SEG + i - start_row[c]`` for the chunk c that a binary search over
+    the starts finds."""
+    if LOG_CHUNKS == 0:
+        return i
+    c = tl.zeros(i.shape, dtype=tl.int32)
+    for step in tl.static_range(LOG_CHUNKS):
+        probe = c + (BLOCK_CHUNKS >> (step + 1))
+        c = tl.where(tl.load(start_row + probe) <= i, probe, c)
+    return c * SEG + i - tl.load(start_row + c)
+
+
+@triton.jit
+def _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl.constexpr,
                    HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr,
-                   LANES: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr):
-    """Select the ``need`` best of the buffer's first ``m`` keys and positions, held in LANES lanes."""
+                   LANES: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr,
+                   BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr):
+    """Select the ``need`` best of the buffer's first ``m`` keys and positions (:func:`_entry_at`
+    says where each lies), held in LANES lanes."""
     i = tl.arange(0, LANES)
-    _select_held(tl.load(kbuf + i, mask=i < m, other=0).to(tl.uint32, bitcast=True),
-                 tl.load(pbuf + i, mask=i < m, other=0), K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT,
+    at = _entry_at(i, start_row, SEG, BLOCK_CHUNKS, LOG_CHUNKS)
+    _select_held(tl.load(kbuf + at, mask=i < m, other=0).to(tl.uint32, bitcast=True),
+                 tl.load(pbuf + at, mask=i < m, other=0), K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT,
                  REMAP, DCP_SIZE, INTERLEAVE, TAIL, BITS)  # fmt: skip
 
 
 @triton.jit
-def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, out_row, count_ptr, route_ptr, page_row, RANK,
+def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, start_row, out_row, count_ptr, route_ptr, page_row, RANK,
                      PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
                      INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr,
-                     TAIL: tl.constexpr, BITS: tl.constexpr):
+                     TAIL: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
+                     LOG_CHUNKS: tl.constexpr):
     """Select the row from its buffer of the ``m`` candidates at or above ``low`` where that is
     safe (``m >= need``, or ``low`` lets every candidate but ``-inf`` through) and the buffer
     holds them (in registers over SMALL lanes, else LARGE), else by the exact tiled passes;
@@ -479,12 +507,12 @@ def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, out_row, count_ptr, ro
     safe = (m >= need) | (low == 1)
     if safe & (m <= SMALL):
         tl.store(route_ptr, 0)
-        _select_buffer(kbuf, pbuf, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
-                       INTERLEAVE, SMALL, TAIL, BITS)  # fmt: skip
+        _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP,
+                       DCP_SIZE, INTERLEAVE, SMALL, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS)  # fmt: skip
     elif safe & (m <= LARGE):
         tl.store(route_ptr, 1)
-        _select_buffer(kbuf, pbuf, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
-                       INTERLEAVE, LARGE, TAIL, BITS)  # fmt: skip
+        _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP,
+                       DCP_SIZE, INTERLEAVE, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS)  # fmt: skip
     else:
         tl.store(route_ptr, 2)
         _select_tiled(row, C, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
@@ -497,7 +525,7 @@ def _topk_sampled_kernel(
     stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr,
-    SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
+    PREFIX_BITS: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
 ):
     """Grid (T,): one program selects a long row from a sample's threshold.
 
@@ -512,12 +540,12 @@ def _topk_sampled_kernel(
     need = _row_need(req_ptr, t, C, K, R, HAS_PT)
     kbuf = kbuf_ptr + t * LARGE
     pbuf = pbuf_ptr + t * LARGE
-    low = _sample_threshold(row, C, need, SAMPLE, SIGMAS, BITS)
+    low = _sample_threshold(row, C, need, SAMPLE, SIGMAS, BITS, PREFIX_BITS)
     m = _compact(row, 0, C, low, kbuf, pbuf, need > 0, LARGE, BLOCK)
     tl.debug_barrier()  # the buffer's stores before any lane reads them
-    _select_buffered(row, C, K, need, low, m, kbuf, pbuf, out_ptr + t * stride_o, count_ptr + t, route_ptr + t,
-                     _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
-                     INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS)  # fmt: skip
+    _select_buffered(row, C, K, need, low, m, kbuf, pbuf, kbuf, out_ptr + t * stride_o, count_ptr + t,
+                     route_ptr + t, _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP,
+                     DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, LARGE, 1, 0)  # fmt: skip
 
 
 # The sampled path with each row split over chunks: three launches (threshold, segments, finish), no
@@ -526,11 +554,11 @@ def _topk_sampled_kernel(
 
 @triton.jit
 def _topk_sample_kernel(scores_ptr, low_ptr, req_ptr, C, K, R, stride_s, HAS_PT: tl.constexpr,
-                        SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, BITS: tl.constexpr):
+                        SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, BITS: tl.constexpr, PREFIX_BITS: tl.constexpr):
     """Grid (T,): row t's threshold key (:func:`_sample_threshold`) into ``low[t]``."""
     t = tl.program_id(0).to(tl.int64)
     low = _sample_threshold(scores_ptr + t * stride_s, C, _row_need(req_ptr, t, C, K, R, HAS_PT), SAMPLE, SIGMAS,
-                            BITS)  # fmt: skip
+                            BITS, PREFIX_BITS)  # fmt: skip
     tl.store(low_ptr + t, low.to(tl.int32, bitcast=True))
 
 
@@ -551,52 +579,29 @@ def _topk_segment_kernel(scores_ptr, low_ptr, cnt_ptr, sk_ptr, sp_ptr, req_ptr, 
 
 
 @triton.jit
-def _gather_segments(cnt_row, start_row, sk_row, sp_row, kbuf, pbuf, NCHUNK, SEG: tl.constexpr,
-                     LARGE: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr, TILE: tl.constexpr):
-    """Copy the row's segments, in chunk order, to the front of its buffer when they fit it
-    (``m <= LARGE``; else the tiled passes select the row and nothing is copied); return the row's
-    count ``m``. Each entry finds its chunk by a binary search over the chunks' starts (stored at
-    ``start_row``). A chunk's count exceeds SEG only if it exceeds LARGE (SEG = min(chunk,
-    LARGE)), so every copied entry was stored."""
-    chunks = tl.arange(0, BLOCK_CHUNKS)
-    counts = tl.load(cnt_row + chunks, mask=chunks < NCHUNK, other=0)
-    m = tl.sum(counts, axis=0)
-    tl.store(start_row + chunks, tl.cumsum(counts, axis=0) - counts)  # padding chunks start at m
-    tl.debug_barrier()
-    for base in range(0, tl.where(m <= LARGE, m, 0), TILE):
-        i = base + tl.arange(0, TILE)
-        c = tl.zeros([TILE], dtype=tl.int32)
-        for step in tl.static_range(LOG_CHUNKS):
-            probe = c + (BLOCK_CHUNKS >> (step + 1))
-            c = tl.where(tl.load(start_row + probe) <= i, probe, c)
-        live = i < m
-        at = c * SEG + i - tl.load(start_row + c)
-        tl.store(kbuf + i, tl.load(sk_row + at, mask=live, other=0), mask=live)
-        tl.store(pbuf + i, tl.load(sp_row + at, mask=live, other=0), mask=live)
-    tl.debug_barrier()  # the buffer's stores before any lane reads them
-    return m
-
-
-@triton.jit
 def _topk_finish_segments_kernel(
-    scores_ptr, low_ptr, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr, count_ptr, route_ptr, kbuf_ptr, pbuf_ptr,
-    pt_ptr, req_ptr, C, K, R, RANK, NCHUNK, stride_s, stride_pt, stride_o,
+    scores_ptr, low_ptr, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr, count_ptr, route_ptr, pt_ptr, req_ptr, C, K, R,
+    RANK, NCHUNK, stride_s, stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr,
-    SEG: tl.constexpr, GATHER: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr,
-    BITS: tl.constexpr,
+    SEG: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
 ):
-    """Grid (T,): row t's segments gathered into its buffer (:func:`_gather_segments`), then
-    selected from it (:func:`_select_buffered`)."""
+    """Grid (T,): row t selected from its segments, read in chunk order where they lie
+    (:func:`_select_buffered` over :func:`_entry_at`), after its chunks' starts are stored. A
+    chunk's count exceeds SEG only if the row's exceeds LARGE (SEG = min(chunk, LARGE)), and then
+    the tiled passes select the row: every entry the buffer routes read was stored."""
     t = tl.program_id(0).to(tl.int64)
-    kbuf = kbuf_ptr + t * LARGE
-    pbuf = pbuf_ptr + t * LARGE
-    m = _gather_segments(cnt_ptr + t * NCHUNK, start_ptr + t * BLOCK_CHUNKS, sk_ptr + t * NCHUNK * SEG,
-                         sp_ptr + t * NCHUNK * SEG, kbuf, pbuf, NCHUNK, SEG, LARGE, BLOCK_CHUNKS, LOG_CHUNKS, GATHER)
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    counts = tl.load(cnt_ptr + t * NCHUNK + chunks, mask=chunks < NCHUNK, other=0)
+    start_row = start_ptr + t * BLOCK_CHUNKS
+    tl.store(start_row + chunks, tl.cumsum(counts, axis=0) - counts)  # padding chunks start at m
+    tl.debug_barrier()  # the starts' stores before any lane reads them
     _select_buffered(scores_ptr + t * stride_s, C, K, _row_need(req_ptr, t, C, K, R, HAS_PT),
-                     tl.load(low_ptr + t).to(tl.uint32, bitcast=True), m, kbuf, pbuf, out_ptr + t * stride_o,
+                     tl.load(low_ptr + t).to(tl.uint32, bitcast=True), tl.sum(counts, axis=0),
+                     sk_ptr + t * NCHUNK * SEG, sp_ptr + t * NCHUNK * SEG, start_row, out_ptr + t * stride_o,
                      count_ptr + t, route_ptr + t, _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE,
-                     HAS_PT, REMAP, DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS)  # fmt: skip
+                     HAS_PT, REMAP, DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS,
+                     LOG_CHUNKS)  # fmt: skip
 
 
 @triton.jit
@@ -818,15 +823,16 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
     common["BLOCK"] = blk
     if path == "sampled":
         sample, small, large = _sampled_sizes(C, k)
-        kbuf = torch.empty((T, large), dtype=torch.int32, device=device)
-        pbuf = torch.empty((T, large), dtype=torch.int32, device=device)
         route = route if route is not None else torch.empty((T,), dtype=torch.int32, device=device)
         held = dict(SMALL=small, LARGE=large, TAIL=max(16, min(next_pow2(k), 2048)), BITS=RESIDENT_BITS)
         warps = num_warps or _resident_warps(large)
         if ns == 1:
+            kbuf = torch.empty((T, large), dtype=torch.int32, device=device)
+            pbuf = torch.empty((T, large), dtype=torch.int32, device=device)
             _topk_sampled_kernel[(T,)](
                 scores, out, count, route, kbuf, pbuf, pt, req, C, k, rows, rank, scores.stride(0), stride_pt,
-                out.stride(0), **common, SAMPLE=sample, SIGMAS=SAMPLE_SIGMAS, **held, num_warps=warps,
+                out.stride(0), **common, SAMPLE=sample, SIGMAS=SAMPLE_SIGMAS, PREFIX_BITS=SAMPLE_PREFIX_BITS, **held,
+                num_warps=warps,
             )  # fmt: skip
             return out, count
         chunk = cdiv(cdiv(C, ns), blk) * blk  # whole tiles a chunk
@@ -834,7 +840,8 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         low = torch.empty((T,), dtype=torch.int32, device=device)
         cnt = torch.empty((T, ns), dtype=torch.int32, device=device)
         _topk_sample_kernel[(T,)](scores, low, req, C, k, rows, scores.stride(0), HAS_PT=has_pt, SAMPLE=sample,
-                                  SIGMAS=SAMPLE_SIGMAS, BITS=RESIDENT_BITS, num_warps=_resident_warps(sample))
+                                  SIGMAS=SAMPLE_SIGMAS, BITS=RESIDENT_BITS, PREFIX_BITS=SAMPLE_PREFIX_BITS,
+                                  num_warps=_resident_warps(sample))
         seg = min(chunk, large)
         sk = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
         sp = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
@@ -842,10 +849,9 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         _topk_segment_kernel[(T, ns)](scores, low, cnt, sk, sp, req, C, k, rows, chunk, ns, scores.stride(0),
                                       HAS_PT=has_pt, SEG=seg, BLOCK=blk, num_warps=num_warps or 4)  # fmt: skip
         _topk_finish_segments_kernel[(T,)](
-            scores, low, cnt, start, sk, sp, out, count, route, kbuf, pbuf, pt, req, C, k, rows, rank, ns,
-            scores.stride(0), stride_pt, out.stride(0), **common, BLOCK_CHUNKS=next_pow2(ns),
-            LOG_CHUNKS=next_pow2(ns).bit_length() - 1, SEG=seg, GATHER=32 if interpreted else 1024, **held,
-            num_warps=warps,
+            scores, low, cnt, start, sk, sp, out, count, route, pt, req, C, k, rows, rank, ns, scores.stride(0),
+            stride_pt, out.stride(0), **common, BLOCK_CHUNKS=next_pow2(ns), LOG_CHUNKS=next_pow2(ns).bit_length() - 1,
+            SEG=seg, **held, num_warps=warps,
         )  # fmt: skip
         return out, count
     if path == "row":
