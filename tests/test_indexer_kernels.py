@@ -412,11 +412,14 @@ def test_topk_select_remap_positions():
             assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (path, r)
 
 
-def test_topk_select_resident_random():
+@pytest.mark.parametrize("search_bits", [1, 2])
+def test_topk_select_resident_random(monkeypatch, search_bits):
     """The resident path (the whole row in registers) against the references on random rows of few
     values: ties at the k-th value, NaN, +-inf, -0.0/+0.0, rows with fewer valid candidates than k,
     k > C; as positions and through a page table (negative pages, a row without a request), and
-    fused with the remap on every rank (local rows and counts)."""
+    fused with the remap on every rank (local rows and counts); the held threshold searched one
+    and two bits a step."""
+    monkeypatch.setattr(select_mod, "RESIDENT_BITS", search_bits)
     gen = _gen("resident")
     page_table, req_ids, _, page = _paged_step(gen, T=6)
     T, C = req_ids.shape[0], page_table.shape[1] * page
@@ -451,10 +454,12 @@ def test_topk_select_resident_random():
     (1, 32768, ("chunked", 32)),  # few rows: the chunked passes, 1024 candidates a program
     (4, 131072, ("chunked", 66)),  # about two programs an SM
     (8, 16384, ("sampled", 16)),  # from 8 rows the split sampled form
-    (32, 131072, ("sampled", 9)),
+    (32, 32768, ("sampled", 9)),
+    (32, 131072, ("sampled", 16)),  # a split sampled program compacts at most 8K candidates
     (128, 16384, ("sampled", 1)),  # <= 16K candidates and <= 4 programs a row: one program
-    (128, 32768, ("sampled", 3)),
-    (2048, 131072, ("sampled", 2)),  # at least two programs a split row
+    (128, 32768, ("sampled", 4)),
+    (2048, 20480, ("sampled", 3)),
+    (2048, 40960, ("sampled", 5)),
 ])
 def test_topk_select_default_plan(monkeypatch, T, C, want):
     """The launcher's (path, programs a row) on a GPU of 132 SMs (an H200), and on the CPU one

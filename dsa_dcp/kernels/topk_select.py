@@ -53,13 +53,13 @@ from .index_scores import candidate_slots
 from .topk_remap import _owned, topk_remap_reference
 
 RADIX = 256  # 8-bit digits: four passes over a 32-bit key (the row and chunked paths)
-# The resident path's digits: 4 bits, eight passes over its register tensor. tl.histogram costs, per
-# 32 keys, a ballot per bit of the bin and a popcount per bin a lane owns, so 16 bins cost far less
-# a pass than 256; the resident row is in registers, so the extra passes read nothing. On an H200
-# (K = 2048, in a CUDA graph, fp32 randn scores) 4-bit digits against 8-bit: batch 1 / 4K 7.7
-# against 9.4 us, batch 1 / 8K 14.0 against 19.8, batch 128 / 8K 18.0 against 24.8, batch 128 / 16K
-# 32.6 against 42.8.
-RESIDENT_BITS = 4
+# Bits a step (1 or 2) of the threshold search over keys held in registers (:func:`_held_threshold`:
+# the resident kernel, and the sampled kernels' sample and buffer): each step one reduction of
+# counts, 16 steps for a full key at 2 bits. It replaced eight 4-bit passes of tl.histogram (each a
+# ballot per bit of the bin and a popcount per bin a lane owns, then a scan of the 16 bins), which
+# on an H200 (K = 2048, in a CUDA graph, fp32 randn scores) had beaten 8-bit digits: batch 1 / 4K
+# 7.7 against 9.4 us, batch 1 / 8K 14.0 against 19.8, batch 128 / 16K 32.6 against 42.8.
+RESIDENT_BITS = 2
 # The resident path (one program holds its whole row in registers) is the default for one program
 # a row up to RESIDENT_MAX candidates, the sampled path above it. On an H200 (K = 2048, in a CUDA
 # graph, fp32 randn scores, page size 64: the inputs of `bench indexer --only topk`) the resident
@@ -88,6 +88,11 @@ SAMPLE_PREFIX_BITS = 20
 # ONE_PROGRAM_MAX candidates that would get at most four programs each keep one.
 SPLIT_SAMPLED_ROWS = 8
 ONE_PROGRAM_MAX = 16384
+# A program of the split sampled form compacts at most SAMPLED_CHUNK_MAX candidates: long rows get
+# more programs than the two an SM of :func:`split_programs` would give them. On an H200 (K = 2048,
+# in a CUDA graph, the stop-47 sweep of `bench indexer`) 9 / 16 programs a row took 55.8 / 49.4 us
+# at batch 32 / 128K, and 3 / 16 took 127.0 / 118.7 at batch 128 / 128K.
+SAMPLED_CHUNK_MAX = 8192
 PATHS = ("resident", "row", "chunked", "sampled")
 ONE_PROGRAM_PATHS = ("resident", "row")
 
@@ -186,16 +191,16 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _advance(hist, prefix, need, PASS: tl.constexpr, BITS: tl.constexpr = 8):
-    """One digit of the search from the pass's histogram of ``BITS``-bit digits: (prefix, need, done)."""
-    bins = tl.arange(0, 1 << BITS)
+def _advance(hist, prefix, need, PASS: tl.constexpr):
+    """One 8-bit digit of the search from the pass's histogram: (prefix, need, done)."""
+    bins = tl.arange(0, 256)
     at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= bin
     digit = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
     above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
     in_bin = tl.sum(tl.where(bins == digit, hist, 0), axis=0)
-    prefix = (prefix << BITS) | digit.to(tl.uint32)
+    prefix = (prefix << 8) | digit.to(tl.uint32)
     need = need - above
-    done = ((need == in_bin) & (prefix != 0)) | (PASS == 32 // BITS - 1)
+    done = ((need == in_bin) & (prefix != 0)) | (PASS == 3)
     return prefix, need, done
 
 
@@ -341,24 +346,30 @@ def _topk_row_kernel(
 
 @triton.jit
 def _held_threshold(key, need, BITS: tl.constexpr, PREFIX_BITS: tl.constexpr = 32):
-    """The radix search over a register tensor of keys: (prefix, need, level) as the passes leave
-    them, ``BITS``-bit digits, stopping when the whole bin is needed (``need == 0``: no search) or
-    after the top PREFIX_BITS bits (then ``need`` may still be > 0: the prefix's bin holds the
-    ``need``-th best, and its floor is at or below it)."""
-    PASSES: tl.constexpr = PREFIX_BITS // BITS
+    """The largest PREFIX_BITS-bit prefix p such that at least ``need`` keys of a register tensor
+    (at most 2**15 of them) have their top PREFIX_BITS bits at or above p. With PREFIX_BITS = 32 p
+    is the ``need``-th best key itself (the largest key, all ones, for ``need = 0``); with fewer
+    bits it is the prefix of the ``need``-th best, so ``p << (32 - PREFIX_BITS)`` is at or below it.
+
+    Found BITS (1 or 2) bits a step, most significant first, each step one reduction: the counts
+    of keys at or above the prefix extended by each nonzero digit (two bits: three counts, packed
+    in 16-bit fields of one int64), and the digit is how many of them reach ``need``. A count of
+    the keys at or above a bound is a compare a key; a histogram of the digit costs a ballot per
+    bit of the bin and a popcount per bin a lane owns, then a scan of the bins."""
     prefix = tl.cast(0, tl.uint32)
-    level = tl.cast(0, tl.int32)
-    done = need == 0
-    for d in tl.static_range(PASSES):
-        if not done:
-            digit = ((key >> (32 - BITS * (d + 1))) & ((1 << BITS) - 1)).to(tl.int32)
-            if d == 0:
-                hist = tl.histogram(digit, 1 << BITS)
-            else:
-                hist = tl.histogram(digit, 1 << BITS, mask=(key >> (32 - BITS * d)) == prefix)
-            prefix, need, done = _advance(hist, prefix, need, d, BITS)
-            level = tl.cast(d, tl.int32)
-    return prefix, need, level
+    for d in tl.static_range(PREFIX_BITS // BITS):
+        SHIFT: tl.constexpr = 32 - BITS * (d + 1)
+        base = prefix << BITS
+        if BITS == 1:
+            digit = (tl.sum((key >= ((base | 1) << SHIFT)).to(tl.int32), axis=0) >= need).to(tl.uint32)
+        else:
+            packed = tl.sum((key >= ((base | 1) << SHIFT)).to(tl.int64)
+                            | ((key >= ((base | 2) << SHIFT)).to(tl.int64) << 16)
+                            | ((key >= ((base | 3) << SHIFT)).to(tl.int64) << 32), axis=0)  # fmt: skip
+            digit = ((packed & 0xFFFF) >= need).to(tl.uint32) + (((packed >> 16) & 0xFFFF) >= need).to(tl.uint32) \
+                + ((packed >> 32) >= need).to(tl.uint32)
+        prefix = base | digit
+    return prefix
 
 
 @triton.jit
@@ -368,16 +379,15 @@ def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl
     """Select and write the ``need`` best of a register tensor of keys (at most 2**15 of them) whose
     candidate positions ``pos`` ascend with the lane (lanes that hold nothing hold key 0).
 
-    The radix passes are histograms of the tensor (:func:`_held_threshold`); one scan of packed
-    counts (keys above the threshold in the high 16 bits, equal to it in the low 16) gives every
-    selected key its output column: the keys above it before it, plus its rank among the equal
-    ones."""
-    PASSES: tl.constexpr = 32 // BITS
-    prefix, need, level = _held_threshold(key, need, BITS)
-    need = tl.where((level == PASSES - 1) & (prefix == 0), 0, need)  # the bin of -inf: none of it
-    top = key >> (32 - BITS * (level + 1)).to(tl.uint32)
-    gt = (top > prefix).to(tl.uint32)
-    eq = (top == prefix).to(tl.uint32)
+    The threshold is the ``need``-th best key (:func:`_held_threshold`): every key above it is
+    selected, and the first ``need - (keys above it)`` equal to it (none where it is ``-inf``'s
+    key 0: the row has fewer valid keys than ``need``). One scan of packed counts (keys above the
+    threshold in the high 16 bits, equal to it in the low 16) gives every selected key its output
+    column: the keys above it before it, plus its rank among the equal ones."""
+    thr = _held_threshold(key, need, BITS)
+    gt = (key > thr).to(tl.uint32)
+    eq = (key == thr).to(tl.uint32)
+    need = tl.where(thr == 0, 0, need - tl.sum(gt.to(tl.int32), axis=0))
     packed = tl.cumsum((gt << 16) | eq, axis=0)  # inclusive; at most 2**15 lanes: no carry, no wrap
     eq_before = (packed & 0xFFFF).to(tl.int32) - eq.to(tl.int32)
     gt_before = (packed >> 16).to(tl.int32) - gt.to(tl.int32)
@@ -405,9 +415,9 @@ def _topk_resident_kernel(
     """Grid (T,): one program selects a whole row held in registers (BLOCK >= C).
 
     The row is read once and its keys computed once, then selected in registers
-    (:func:`_select_held`, ``RESIDENT_BITS``-bit digits). Out-of-range lanes (and every lane of a
-    row without a request) load ``-inf``: key 0, which no pass selects, so only the load is
-    masked."""
+    (:func:`_select_held`, the threshold searched ``RESIDENT_BITS`` bits a step). Out-of-range
+    lanes (and every lane of a row without a request) load ``-inf``: key 0, which is never
+    selected, so only the load is masked."""
     t = tl.program_id(0).to(tl.int64)
     need = _row_need(req_ptr, t, C, K, R, HAS_PT)
     offs = tl.arange(0, BLOCK)
@@ -426,7 +436,8 @@ def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, 
     each stride, so no period of the scores lines up with the sample), where r is the count the
     sample's share of the need would give plus SIGMAS standard deviations and 4. Only a guess:
     the caller checks it against the row's count. The search stops after the key's top
-    PREFIX_BITS bits; the threshold is then the floor of the bin that holds the r-th best."""
+    PREFIX_BITS bits: the threshold is the floor of the bin that holds the r-th best (1, every
+    candidate but ``-inf``, where the sample holds fewer than r valid keys)."""
     i = tl.arange(0, SAMPLE)
     stride = (C + SAMPLE - 1) // SAMPLE
     jitter = (((i.to(tl.uint32) * 2654435761) >> 16) % stride.to(tl.uint32)).to(tl.int32)
@@ -436,8 +447,7 @@ def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, 
     n = tl.sum(valid.to(tl.int32), axis=0)
     share = need.to(tl.float32) * n.to(tl.float32) / C.to(tl.float32)
     r = tl.minimum((share + SIGMAS * tl.sqrt(share) + 4.0).to(tl.int32) + 1, n)
-    prefix, _, level = _held_threshold(key, r, BITS, PREFIX_BITS)  # r = 0 (no search) without a need: n = 0
-    return tl.maximum(prefix << (32 - BITS * (level + 1)).to(tl.uint32), 1)
+    return tl.maximum(_held_threshold(key, r, BITS, PREFIX_BITS) << (32 - PREFIX_BITS), 1)
 
 
 @triton.jit
@@ -742,8 +752,9 @@ def _default_plan(T: int, C: int, device: torch.device) -> tuple[str, int]:
 
     Up to RESIDENT_MAX candidates one program holds its row (resident). Longer rows are split
     (:func:`split_programs`): under SPLIT_SAMPLED_ROWS rows by the chunked passes, from there by
-    the split sampled form, except that rows of up to ONE_PROGRAM_MAX candidates that would get
-    at most four programs each keep one program a row (sampled). On an H200 (K = 2048, in a CUDA
+    the split sampled form (at least one program per SAMPLED_CHUNK_MAX candidates), except that
+    rows of up to ONE_PROGRAM_MAX candidates that would get at most four programs each keep one
+    program a row (sampled). On an H200 (K = 2048, in a CUDA
     graph, fp32 randn scores, ``bench indexer --only topk``; us): chunked / split sampled at batch
     1 were 23.7 / 24.8 (16K), 24.1 / 25.5 (32K), 24.9 / 35.7 (128K); at batch 8 27.2 / 25.7,
     29.2 / 29.4, 57.4 / 43.5; one program / split sampled at batch 32 35.3 / 30.0, 51.7 / 33.8,
@@ -753,7 +764,9 @@ def _default_plan(T: int, C: int, device: torch.device) -> tuple[str, int]:
     ns = split_programs(T, C, device)
     if ns == 1 or (C <= ONE_PROGRAM_MAX and ns <= 4 and T >= SPLIT_SAMPLED_ROWS):
         return "sampled", 1
-    return ("chunked" if T < SPLIT_SAMPLED_ROWS else "sampled"), ns
+    if T < SPLIT_SAMPLED_ROWS:
+        return "chunked", ns
+    return "sampled", max(ns, cdiv(C, SAMPLED_CHUNK_MAX))
 
 
 def _resident_warps(block: int) -> int:
@@ -789,11 +802,11 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         raise ValueError(f"topk_select: path='resident' holds at most {RESIDENT_LIMIT} candidates a row, got {C}")
     device = scores.device
     out = torch.empty((T, k), dtype=torch.int32, device=device)
-    count = torch.zeros((T,), dtype=torch.int32, device=device)
+    count = torch.empty((T,), dtype=torch.int32, device=device)  # every path writes it (no fill launch)
     if T == 0 or k == 0:
-        return out, count
+        return out, count.zero_()
     if C == 0:
-        return out.fill_(-1), count
+        return out.fill_(-1), count.zero_()
     check_launchable(_topk_row_kernel, scores)
     dcp_size, rank, interleave = remap or (1, 0, 1)
     has_pt = page_table is not None
