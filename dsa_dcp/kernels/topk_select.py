@@ -493,14 +493,15 @@ def _entry_at(i, start_row, SEG: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_C
 def _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl.constexpr,
                    HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr,
                    LANES: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr,
-                   BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr):
+                   BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr, CACHE: tl.constexpr):
     """Select the ``need`` best of the buffer's first ``m`` keys and positions (:func:`_entry_at`
-    says where each lies), held in LANES lanes."""
+    says where each lies), held in LANES lanes; the buffer is loaded with cache modifier CACHE
+    (``".cg"`` where other programs wrote it)."""
     i = tl.arange(0, LANES)
     at = _entry_at(i, start_row, SEG, BLOCK_CHUNKS, LOG_CHUNKS)
-    _select_held(tl.load(kbuf + at, mask=i < m, other=0).to(tl.uint32, bitcast=True),
-                 tl.load(pbuf + at, mask=i < m, other=0), K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT,
-                 REMAP, DCP_SIZE, INTERLEAVE, TAIL, BITS)  # fmt: skip
+    _select_held(tl.load(kbuf + at, mask=i < m, other=0, cache_modifier=CACHE).to(tl.uint32, bitcast=True),
+                 tl.load(pbuf + at, mask=i < m, other=0, cache_modifier=CACHE), K, need, out_row, count_ptr, page_row,
+                 RANK, PAGE, HAS_PT, REMAP, DCP_SIZE, INTERLEAVE, TAIL, BITS)  # fmt: skip
 
 
 @triton.jit
@@ -508,7 +509,7 @@ def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, start_row, out_row, co
                      PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
                      INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr,
                      TAIL: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
-                     LOG_CHUNKS: tl.constexpr):
+                     LOG_CHUNKS: tl.constexpr, CACHE: tl.constexpr = ""):
     """Select the row from its buffer of the ``m`` candidates at or above ``low`` where that is
     safe (``m >= need``, or ``low`` lets every candidate but ``-inf`` through) and the buffer
     holds them (in registers over SMALL lanes, else LARGE), else by the exact tiled passes;
@@ -518,11 +519,11 @@ def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, start_row, out_row, co
     if safe & (m <= SMALL):
         tl.store(route_ptr, 0)
         _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP,
-                       DCP_SIZE, INTERLEAVE, SMALL, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS)  # fmt: skip
+                       DCP_SIZE, INTERLEAVE, SMALL, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, CACHE)  # fmt: skip
     elif safe & (m <= LARGE):
         tl.store(route_ptr, 1)
         _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP,
-                       DCP_SIZE, INTERLEAVE, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS)  # fmt: skip
+                       DCP_SIZE, INTERLEAVE, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, CACHE)  # fmt: skip
     else:
         tl.store(route_ptr, 2)
         _select_tiled(row, C, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
@@ -558,60 +559,60 @@ def _topk_sampled_kernel(
                      DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, LARGE, 1, 0)  # fmt: skip
 
 
-# The sampled path with each row split over chunks: three launches (threshold, segments, finish), no
-# program waits for another.
+# The sampled path with each row split over chunks: two launches (the rows' thresholds, then the
+# chunks' segments), the row selected by the last of its chunks to finish; no program waits for
+# another.
 
 
 @triton.jit
-def _topk_sample_kernel(scores_ptr, low_ptr, req_ptr, C, K, R, stride_s, HAS_PT: tl.constexpr,
+def _topk_sample_kernel(scores_ptr, low_ptr, arrived_ptr, req_ptr, C, K, R, stride_s, HAS_PT: tl.constexpr,
                         SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, BITS: tl.constexpr, PREFIX_BITS: tl.constexpr):
-    """Grid (T,): row t's threshold key (:func:`_sample_threshold`) into ``low[t]``."""
+    """Grid (T,): row t's threshold key (:func:`_sample_threshold`) into ``low[t]``, and its
+    count of finished chunks zeroed."""
     t = tl.program_id(0).to(tl.int64)
     low = _sample_threshold(scores_ptr + t * stride_s, C, _row_need(req_ptr, t, C, K, R, HAS_PT), SAMPLE, SIGMAS,
                             BITS, PREFIX_BITS)  # fmt: skip
     tl.store(low_ptr + t, low.to(tl.int32, bitcast=True))
+    tl.store(arrived_ptr + t, 0)
 
 
 @triton.jit
-def _topk_segment_kernel(scores_ptr, low_ptr, cnt_ptr, sk_ptr, sp_ptr, req_ptr, C, K, R, CHUNK, NCHUNK, stride_s,
-                         HAS_PT: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (T, NCHUNK): chunk j of row t compacts its candidates at or above ``low[t]`` into its
-    own segment of the row's buffer (at most SEG of them, :func:`_compact`) and stores how many
-    there were (all of them) in ``cnt[t, j]``."""
-    t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    lo = j * CHUNK
-    seg = (t * NCHUNK + j) * SEG
-    n = _compact(scores_ptr + t * stride_s, lo, tl.minimum(lo + CHUNK, C), tl.load(low_ptr + t).to(tl.uint32,
-                 bitcast=True), sk_ptr + seg, sp_ptr + seg,
-                 _row_need(req_ptr, t, C, K, R, HAS_PT) > 0, SEG, BLOCK)  # fmt: skip
-    tl.store(cnt_ptr + t * NCHUNK + j, n)
-
-
-@triton.jit
-def _topk_finish_segments_kernel(
-    scores_ptr, low_ptr, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr, count_ptr, route_ptr, pt_ptr, req_ptr, C, K, R,
-    RANK, NCHUNK, stride_s, stride_pt, stride_o,
+def _topk_segment_kernel(
+    scores_ptr, low_ptr, arrived_ptr, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr, count_ptr, route_ptr, pt_ptr,
+    req_ptr, C, K, R, RANK, CHUNK, NCHUNK, stride_s, stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr,
     SEG: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
 ):
-    """Grid (T,): row t selected from its segments, read in chunk order where they lie
-    (:func:`_select_buffered` over :func:`_entry_at`), after its chunks' starts are stored. A
-    chunk's count exceeds SEG only if the row's exceeds LARGE (SEG = min(chunk, LARGE)), and then
-    the tiled passes select the row: every entry the buffer routes read was stored."""
+    """Grid (T, NCHUNK): chunk j of row t compacts its candidates at or above ``low[t]`` into its
+    own segment of the row's buffer (at most SEG of them, :func:`_compact`), stores how many there
+    were (all of them) in ``cnt[t, j]`` and counts itself finished in ``arrived[t]``.
+
+    The row's last chunk to finish selects the row from its segments, read in chunk order where
+    they lie (:func:`_select_buffered` over :func:`_entry_at`, bypassing L1: other programs wrote
+    them), after storing the chunks' starts. A chunk's count exceeds SEG only if the row's exceeds
+    LARGE (SEG = min(chunk, LARGE)), and then the tiled passes select the row: every entry the
+    buffer routes read was stored."""
     t = tl.program_id(0).to(tl.int64)
-    chunks = tl.arange(0, BLOCK_CHUNKS)
-    counts = tl.load(cnt_ptr + t * NCHUNK + chunks, mask=chunks < NCHUNK, other=0)
-    start_row = start_ptr + t * BLOCK_CHUNKS
-    tl.store(start_row + chunks, tl.cumsum(counts, axis=0) - counts)  # padding chunks start at m
-    tl.debug_barrier()  # the starts' stores before any lane reads them
-    _select_buffered(scores_ptr + t * stride_s, C, K, _row_need(req_ptr, t, C, K, R, HAS_PT),
-                     tl.load(low_ptr + t).to(tl.uint32, bitcast=True), tl.sum(counts, axis=0),
-                     sk_ptr + t * NCHUNK * SEG, sp_ptr + t * NCHUNK * SEG, start_row, out_ptr + t * stride_o,
-                     count_ptr + t, route_ptr + t, _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE,
-                     HAS_PT, REMAP, DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS,
-                     LOG_CHUNKS)  # fmt: skip
+    j = tl.program_id(1)
+    row = scores_ptr + t * stride_s
+    need = _row_need(req_ptr, t, C, K, R, HAS_PT)
+    lo = j * CHUNK
+    seg = (t * NCHUNK + j) * SEG
+    low = tl.load(low_ptr + t).to(tl.uint32, bitcast=True)
+    n = _compact(row, lo, tl.minimum(lo + CHUNK, C), low, sk_ptr + seg, sp_ptr + seg, need > 0, SEG, BLOCK)
+    tl.store(cnt_ptr + t * NCHUNK + j, n)
+    tl.debug_barrier()  # every lane's stores before the arrival (released by it)
+    if tl.atomic_add(arrived_ptr + t, 1, sem="acq_rel") == NCHUNK - 1:
+        chunks = tl.arange(0, BLOCK_CHUNKS)
+        counts = tl.load(cnt_ptr + t * NCHUNK + chunks, mask=chunks < NCHUNK, other=0, cache_modifier=".cg")
+        start_row = start_ptr + t * BLOCK_CHUNKS
+        tl.store(start_row + chunks, tl.cumsum(counts, axis=0) - counts)  # padding chunks start at m
+        tl.debug_barrier()  # the starts' stores before any lane reads them
+        _select_buffered(row, C, K, need, low, tl.sum(counts, axis=0), sk_ptr + t * NCHUNK * SEG,
+                         sp_ptr + t * NCHUNK * SEG, start_row, out_ptr + t * stride_o, count_ptr + t, route_ptr + t,
+                         _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
+                         INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, ".cg")  # fmt: skip
 
 
 @triton.jit
@@ -851,20 +852,19 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         chunk = cdiv(cdiv(C, ns), blk) * blk  # whole tiles a chunk
         ns = cdiv(C, chunk)
         low = torch.empty((T,), dtype=torch.int32, device=device)
+        arrived = torch.empty((T,), dtype=torch.int32, device=device)  # zeroed by the sample kernel
         cnt = torch.empty((T, ns), dtype=torch.int32, device=device)
-        _topk_sample_kernel[(T,)](scores, low, req, C, k, rows, scores.stride(0), HAS_PT=has_pt, SAMPLE=sample,
-                                  SIGMAS=SAMPLE_SIGMAS, BITS=RESIDENT_BITS, PREFIX_BITS=SAMPLE_PREFIX_BITS,
-                                  num_warps=_resident_warps(sample))
+        _topk_sample_kernel[(T,)](scores, low, arrived, req, C, k, rows, scores.stride(0), HAS_PT=has_pt,
+                                  SAMPLE=sample, SIGMAS=SAMPLE_SIGMAS, BITS=RESIDENT_BITS,
+                                  PREFIX_BITS=SAMPLE_PREFIX_BITS, num_warps=_resident_warps(sample))  # fmt: skip
         seg = min(chunk, large)
         sk = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
         sp = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
         start = torch.empty((T, next_pow2(ns)), dtype=torch.int32, device=device)
-        _topk_segment_kernel[(T, ns)](scores, low, cnt, sk, sp, req, C, k, rows, chunk, ns, scores.stride(0),
-                                      HAS_PT=has_pt, SEG=seg, BLOCK=blk, num_warps=num_warps or 4)  # fmt: skip
-        _topk_finish_segments_kernel[(T,)](
-            scores, low, cnt, start, sk, sp, out, count, route, pt, req, C, k, rows, rank, ns, scores.stride(0),
-            stride_pt, out.stride(0), **common, BLOCK_CHUNKS=next_pow2(ns), LOG_CHUNKS=next_pow2(ns).bit_length() - 1,
-            SEG=seg, **held, num_warps=warps,
+        _topk_segment_kernel[(T, ns)](
+            scores, low, arrived, cnt, start, sk, sp, out, count, route, pt, req, C, k, rows, rank, chunk, ns,
+            scores.stride(0), stride_pt, out.stride(0), **common, BLOCK_CHUNKS=next_pow2(ns),
+            LOG_CHUNKS=next_pow2(ns).bit_length() - 1, SEG=seg, **held, num_warps=warps,
         )  # fmt: skip
         return out, count
     if path == "row":
@@ -914,8 +914,8 @@ def topk_select_triton(
       compacts the candidates at or above it into a buffer with one read, and selects the buffer
       as the resident path selects a row; the row path's passes where the buffer cannot hold
       the selection (:func:`_topk_sampled_kernel`). With ``chunks`` > 1 the compaction is split
-      over programs (three launches: ``_topk_sample_kernel``, ``_topk_segment_kernel``,
-      ``_topk_finish_segments_kernel``).
+      over programs (two launches: ``_topk_sample_kernel``, then ``_topk_segment_kernel``,
+      whose last program of a row to finish selects the row).
     - ``"row"`` (grid (T,)): one program a row that reads the row again in ``block``-candidate
       tiles for each pass and for the write.
     - ``"chunked"``: each row split into ``chunks`` chunks; four histogram passes (grid (T, chunks)
