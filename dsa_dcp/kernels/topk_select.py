@@ -346,30 +346,43 @@ def _topk_row_kernel(
 
 @triton.jit
 def _held_threshold(key, need, BITS: tl.constexpr, PREFIX_BITS: tl.constexpr = 32):
-    """The largest PREFIX_BITS-bit prefix p such that at least ``need`` keys of a register tensor
-    (at most 2**15 of them) have their top PREFIX_BITS bits at or above p. With PREFIX_BITS = 32 p
-    is the ``need``-th best key itself (the largest key, all ones, for ``need = 0``); with fewer
-    bits it is the prefix of the ``need``-th best, so ``p << (32 - PREFIX_BITS)`` is at or below it.
+    """A threshold key for the ``need`` best of a register tensor of keys (at most 2**15 of them):
+    either exactly ``need`` keys lie at or above it, or it is the ``need``-th best key with its
+    bits below the top PREFIX_BITS cleared (with PREFIX_BITS = 32 the key itself). Either way it
+    is at or below the ``need``-th best key. 0 (``-inf``'s key) only when fewer than ``need`` keys
+    are above 0; for ``need = 0`` no key is at or above it (or exactly none are).
 
     Found BITS (1 or 2) bits a step, most significant first, each step one reduction: the counts
     of keys at or above the prefix extended by each nonzero digit (two bits: three counts, packed
-    in 16-bit fields of one int64), and the digit is how many of them reach ``need``. A count of
-    the keys at or above a bound is a compare a key; a histogram of the digit costs a ballot per
-    bit of the bin and a popcount per bin a lane owns, then a scan of the bins."""
+    in 16-bit fields of one int64); the digit is how many of them reach ``need``, and the search
+    stops once the keys at or above the prefix number exactly ``need`` (about 12 bits into 4K
+    random keys). A count of the keys at or above a bound is a compare a key, where a histogram of
+    the digit costs a ballot per bit of the bin and a popcount per bin a lane owns, then a scan."""
     prefix = tl.cast(0, tl.uint32)
+    thr = tl.cast(0, tl.uint32)
+    have = tl.cast(-1, tl.int32)  # keys at or above thr, once a digit was nonzero
+    done = need < 0
     for d in tl.static_range(PREFIX_BITS // BITS):
-        SHIFT: tl.constexpr = 32 - BITS * (d + 1)
-        base = prefix << BITS
-        if BITS == 1:
-            digit = (tl.sum((key >= ((base | 1) << SHIFT)).to(tl.int32), axis=0) >= need).to(tl.uint32)
-        else:
-            packed = tl.sum((key >= ((base | 1) << SHIFT)).to(tl.int64)
-                            | ((key >= ((base | 2) << SHIFT)).to(tl.int64) << 16)
-                            | ((key >= ((base | 3) << SHIFT)).to(tl.int64) << 32), axis=0)  # fmt: skip
-            digit = ((packed & 0xFFFF) >= need).to(tl.uint32) + (((packed >> 16) & 0xFFFF) >= need).to(tl.uint32) \
-                + ((packed >> 32) >= need).to(tl.uint32)
-        prefix = base | digit
-    return prefix
+        if not done:
+            SHIFT: tl.constexpr = 32 - BITS * (d + 1)
+            base = prefix << BITS
+            if BITS == 1:
+                c1 = tl.sum((key >= ((base | 1) << SHIFT)).to(tl.int32), axis=0)
+                digit = (c1 >= need).to(tl.uint32)
+                have = tl.where(c1 >= need, c1, have)
+            else:
+                packed = tl.sum((key >= ((base | 1) << SHIFT)).to(tl.int64)
+                                | ((key >= ((base | 2) << SHIFT)).to(tl.int64) << 16)
+                                | ((key >= ((base | 3) << SHIFT)).to(tl.int64) << 32), axis=0)  # fmt: skip
+                c1 = (packed & 0xFFFF).to(tl.int32)
+                c2 = ((packed >> 16) & 0xFFFF).to(tl.int32)
+                c3 = (packed >> 32).to(tl.int32)
+                digit = (c1 >= need).to(tl.uint32) + (c2 >= need).to(tl.uint32) + (c3 >= need).to(tl.uint32)
+                have = tl.where(c3 >= need, c3, tl.where(c2 >= need, c2, tl.where(c1 >= need, c1, have)))
+            prefix = base | digit
+            thr = prefix << SHIFT
+            done = have == need
+    return thr
 
 
 @triton.jit
@@ -379,9 +392,9 @@ def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl
     """Select and write the ``need`` best of a register tensor of keys (at most 2**15 of them) whose
     candidate positions ``pos`` ascend with the lane (lanes that hold nothing hold key 0).
 
-    The threshold is the ``need``-th best key (:func:`_held_threshold`): every key above it is
-    selected, and the first ``need - (keys above it)`` equal to it (none where it is ``-inf``'s
-    key 0: the row has fewer valid keys than ``need``). One scan of packed counts (keys above the
+    Every key above the threshold (:func:`_held_threshold`) is selected, and the first
+    ``need - (keys above it)`` equal to it: all of them where exactly ``need`` lie at or above it,
+    none where it is ``-inf``'s key 0 (the row has fewer valid keys than ``need``). One scan of packed counts (keys above the
     threshold in the high 16 bits, equal to it in the low 16) gives every selected key its output
     column: the keys above it before it, plus its rank among the equal ones."""
     thr = _held_threshold(key, need, BITS)
@@ -447,7 +460,7 @@ def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, 
     n = tl.sum(valid.to(tl.int32), axis=0)
     share = need.to(tl.float32) * n.to(tl.float32) / C.to(tl.float32)
     r = tl.minimum((share + SIGMAS * tl.sqrt(share) + 4.0).to(tl.int32) + 1, n)
-    return tl.maximum(_held_threshold(key, r, BITS, PREFIX_BITS) << (32 - PREFIX_BITS), 1)
+    return tl.maximum(_held_threshold(key, r, BITS, PREFIX_BITS), 1)
 
 
 @triton.jit
