@@ -506,15 +506,20 @@ def _entry_at(i, start_row, SEG: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_C
 def _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl.constexpr,
                    HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr,
                    LANES: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr,
-                   BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr, CACHE: tl.constexpr):
+                   BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr, SHARED: tl.constexpr):
     """Select the ``need`` best of the buffer's first ``m`` keys and positions (:func:`_entry_at`
-    says where each lies), held in LANES lanes; the buffer is loaded with cache modifier CACHE
-    (``".cg"`` where other programs wrote it)."""
+    says where each lies), held in LANES lanes; with SHARED (other programs wrote the buffer) the
+    loads bypass L1."""
     i = tl.arange(0, LANES)
     at = _entry_at(i, start_row, SEG, BLOCK_CHUNKS, LOG_CHUNKS)
-    _select_held(tl.load(kbuf + at, mask=i < m, other=0, cache_modifier=CACHE).to(tl.uint32, bitcast=True),
-                 tl.load(pbuf + at, mask=i < m, other=0, cache_modifier=CACHE), K, need, out_row, count_ptr, page_row,
-                 RANK, PAGE, HAS_PT, REMAP, DCP_SIZE, INTERLEAVE, TAIL, BITS)  # fmt: skip
+    if SHARED:
+        key = tl.load(kbuf + at, mask=i < m, other=0, cache_modifier=".cg")
+        pos = tl.load(pbuf + at, mask=i < m, other=0, cache_modifier=".cg")
+    else:
+        key = tl.load(kbuf + at, mask=i < m, other=0)
+        pos = tl.load(pbuf + at, mask=i < m, other=0)
+    _select_held(key.to(tl.uint32, bitcast=True), pos, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT,
+                 REMAP, DCP_SIZE, INTERLEAVE, TAIL, BITS)  # fmt: skip
 
 
 @triton.jit
@@ -522,7 +527,7 @@ def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, start_row, out_row, co
                      PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
                      INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr,
                      TAIL: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
-                     LOG_CHUNKS: tl.constexpr, CACHE: tl.constexpr = ""):
+                     LOG_CHUNKS: tl.constexpr, SHARED: tl.constexpr):
     """Select the row from its buffer of the ``m`` candidates at or above ``low`` where that is
     safe (``m >= need``, or ``low`` lets every candidate but ``-inf`` through) and the buffer
     holds them (in registers over SMALL lanes, else LARGE), else by the exact tiled passes;
@@ -532,11 +537,11 @@ def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, start_row, out_row, co
     if safe & (m <= SMALL):
         tl.store(route_ptr, 0)
         _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP,
-                       DCP_SIZE, INTERLEAVE, SMALL, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, CACHE)  # fmt: skip
+                       DCP_SIZE, INTERLEAVE, SMALL, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, SHARED)  # fmt: skip
     elif safe & (m <= LARGE):
         tl.store(route_ptr, 1)
         _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP,
-                       DCP_SIZE, INTERLEAVE, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, CACHE)  # fmt: skip
+                       DCP_SIZE, INTERLEAVE, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, SHARED)  # fmt: skip
     else:
         tl.store(route_ptr, 2)
         _select_tiled(row, C, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
@@ -569,7 +574,7 @@ def _topk_sampled_kernel(
     tl.debug_barrier()  # the buffer's stores before any lane reads them
     _select_buffered(row, C, K, need, low, m, kbuf, pbuf, kbuf, out_ptr + t * stride_o, count_ptr + t,
                      route_ptr + t, _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP,
-                     DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, LARGE, 1, 0)  # fmt: skip
+                     DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, LARGE, 1, 0, False)  # fmt: skip
 
 
 # The sampled path with each row split over chunks: two launches (the rows' thresholds, then the
@@ -625,7 +630,7 @@ def _topk_segment_kernel(
         _select_buffered(row, C, K, need, low, tl.sum(counts, axis=0), sk_ptr + t * NCHUNK * SEG,
                          sp_ptr + t * NCHUNK * SEG, start_row, out_ptr + t * stride_o, count_ptr + t, route_ptr + t,
                          _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
-                         INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, ".cg")  # fmt: skip
+                         INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, True)  # fmt: skip
 
 
 @triton.jit
