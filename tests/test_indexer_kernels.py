@@ -451,7 +451,8 @@ def test_topk_select_resident_random(monkeypatch, search_bits):
 @pytest.mark.parametrize("T, C, want", [
     (1, 4096, ("resident", 1)),  # fits one program's registers
     (128, 8192, ("resident", 1)),
-    (1, 32768, ("chunked", 32)),  # few rows: the chunked passes, 1024 candidates a program
+    (1, 32768, ("sampled", 32)),  # rows up to 32K: the split sampled form, 1024 candidates a program
+    (1, 65536, ("chunked", 64)),  # few rows over 32K: the chunked passes
     (4, 131072, ("chunked", 66)),  # about two programs an SM
     (8, 16384, ("sampled", 16)),  # from 8 rows the split sampled form
     (32, 32768, ("sampled", 9)),

@@ -84,9 +84,13 @@ SAMPLE_SIGMAS = 5.0
 # best, relative, which lets through a few more candidates and saves the search's last passes.
 SAMPLE_PREFIX_BITS = 20
 # Rows above RESIDENT_MAX candidates are split over programs (:func:`_default_plan`): fewer than
-# SPLIT_SAMPLED_ROWS rows by the chunked passes, more by the split sampled form; rows of up to
-# ONE_PROGRAM_MAX candidates that would get at most four programs each keep one.
+# SPLIT_SAMPLED_ROWS rows of over CHUNKED_MIN candidates by the chunked passes, the rest by the
+# split sampled form; rows of up to ONE_PROGRAM_MAX candidates that would get at most four programs
+# each keep one. On an H100 (K = 2048, in a CUDA graph, one process) batch 1 took 18.7 / 22.8 us
+# (split sampled / chunked) at 16K and 19.9 / 23.1 at 32K, but 30.1 / 23.9 at 128K, where the
+# split sampled form's one-program parts (an 8K sample, the finish) weigh more.
 SPLIT_SAMPLED_ROWS = 8
+CHUNKED_MIN = 32768
 ONE_PROGRAM_MAX = 16384
 # A program of the split sampled form compacts at most SAMPLED_CHUNK_MAX candidates: long rows get
 # more programs than the two an SM of :func:`split_programs` would give them. On an H200 (K = 2048,
@@ -770,20 +774,21 @@ def _default_plan(T: int, C: int, device: torch.device) -> tuple[str, int]:
     """(path, programs a row) the launcher takes for T rows of C candidates.
 
     Up to RESIDENT_MAX candidates one program holds its row (resident). Longer rows are split
-    (:func:`split_programs`): under SPLIT_SAMPLED_ROWS rows by the chunked passes, from there by
-    the split sampled form (at least one program per SAMPLED_CHUNK_MAX candidates), except that
-    rows of up to ONE_PROGRAM_MAX candidates that would get at most four programs each keep one
-    program a row (sampled). On an H200 (K = 2048, in a CUDA
-    graph, fp32 randn scores, ``bench indexer --only topk``; us): chunked / split sampled at batch
-    1 were 23.7 / 24.8 (16K), 24.1 / 25.5 (32K), 24.9 / 35.7 (128K); at batch 8 27.2 / 25.7,
-    29.2 / 29.4, 57.4 / 43.5; one program / split sampled at batch 32 35.3 / 30.0, 51.7 / 33.8,
-    142.9 / 63.5, and at batch 128 (three programs a row) 32.7 / 36.5, 52.4 / 49.8, 170.6 / 135.8."""
+    (:func:`split_programs`): under SPLIT_SAMPLED_ROWS rows of over CHUNKED_MIN candidates by the
+    chunked passes, the rest by the split sampled form (at least one program per
+    SAMPLED_CHUNK_MAX candidates), except that rows of up to ONE_PROGRAM_MAX candidates that would
+    get at most four programs each keep one program a row (sampled). On an H200 (K = 2048, in a
+    CUDA graph, fp32 randn scores, ``bench indexer --only topk``; us; the split sampled form in
+    three launches then): chunked / split sampled at batch 8 were 27.2 / 25.7 (16K), 29.2 / 29.4
+    (32K), 57.4 / 43.5 (128K); one program / split sampled at batch 32 35.3 / 30.0, 51.7 / 33.8,
+    142.9 / 63.5, and at batch 128 (three programs a row) 32.7 / 36.5, 52.4 / 49.8, 170.6 / 135.8.
+    The batch-1 choice is measured above CHUNKED_MIN."""
     if C <= RESIDENT_MAX:
         return "resident", 1
     ns = split_programs(T, C, device)
     if ns == 1 or (C <= ONE_PROGRAM_MAX and ns <= 4 and T >= SPLIT_SAMPLED_ROWS):
         return "sampled", 1
-    if T < SPLIT_SAMPLED_ROWS:
+    if T < SPLIT_SAMPLED_ROWS and C > CHUNKED_MIN:
         return "chunked", ns
     return "sampled", max(ns, cdiv(C, SAMPLED_CHUNK_MAX))
 
