@@ -397,10 +397,11 @@ def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl
     candidate positions ``pos`` ascend with the lane (lanes that hold nothing hold key 0).
 
     Every key above the threshold (:func:`_held_threshold`) is selected, and the first
-    ``need - (keys above it)`` equal to it: all of them where exactly ``need`` lie at or above it,
-    none where it is ``-inf``'s key 0 (the row has fewer valid keys than ``need``). One scan of packed counts (keys above the
-    threshold in the high 16 bits, equal to it in the low 16) gives every selected key its output
-    column: the keys above it before it, plus its rank among the equal ones."""
+    ``need - (keys above it)`` equal to it: all of them where exactly ``need`` lie at or above
+    it, none where it is ``-inf``'s key 0 (the row has fewer valid keys than ``need``). One scan
+    of packed counts (keys above the threshold in the high 16 bits, equal to it in the low 16)
+    gives every selected key its output column: the keys above it before it, plus its rank
+    among the equal ones."""
     thr = _held_threshold(key, need, BITS)
     gt = (key > thr).to(tl.uint32)
     eq = (key == thr).to(tl.uint32)
@@ -453,8 +454,9 @@ def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, 
     each stride, so no period of the scores lines up with the sample), where r is the count the
     sample's share of the need would give plus SIGMAS standard deviations and 4. Only a guess:
     the caller checks it against the row's count. The search stops after the key's top
-    PREFIX_BITS bits: the threshold is the floor of the bin that holds the r-th best (1, every
-    candidate but ``-inf``, where the sample holds fewer than r valid keys)."""
+    PREFIX_BITS bits: the threshold lies between the floor of the bin that holds the r-th best
+    and that key (1, every candidate but ``-inf``, where the sample holds fewer than r valid
+    keys)."""
     i = tl.arange(0, SAMPLE)
     stride = (C + SAMPLE - 1) // SAMPLE
     jitter = (((i.to(tl.uint32) * 2654435761) >> 16) % stride.to(tl.uint32)).to(tl.int32)
