@@ -471,13 +471,16 @@ def test_topk_select_default_plan(monkeypatch, T, C, want):
     assert cpu == ("resident" if C <= select_mod.RESIDENT_MAX else "sampled", 1)
 
 
-def test_topk_select_sampled_routes(monkeypatch):
+@pytest.mark.parametrize("finish_in_segments", [True, False])
+def test_topk_select_sampled_routes(monkeypatch, finish_in_segments):
     """The sampled path selects each row from its buffer when the sample's threshold is safe and
     the buffer holds the candidates above it (the small buffer or the large one), and by the
     tiled passes otherwise (ties past the buffer, NaN past it, a threshold set above the k-th
     best); every route gives the references' answer, as positions, as slots and fused with the
     remap on every rank, by one program a row and with the row split over three programs (the
-    same routes: the same threshold and count), also with the threshold's search stopped early."""
+    same routes: the same threshold and count), also with the threshold's search stopped early;
+    the split rows selected by their last chunk to finish and by a launch of their own."""
+    monkeypatch.setattr(select_mod, "FINISH_IN_SEGMENTS_PER_SM", 1 << 20 if finish_in_segments else 0)
     gen = _gen("sampled")
     monkeypatch.setattr(select_mod, "SAMPLE_EVERY", 2)  # a sample of 128: thresholds near the k-th best
     T, C, k, page = 8, 256, 12, 16

@@ -97,6 +97,12 @@ ONE_PROGRAM_MAX = 16384
 # in a CUDA graph, the stop-47 sweep of `bench indexer`) 9 / 16 programs a row took 55.8 / 49.4 us
 # at batch 32 / 128K, and 3 / 16 took 127.0 / 118.7 at batch 128 / 128K.
 SAMPLED_CHUNK_MAX = 8192
+# The split sampled form selects a row in the segment launch (its last chunk to finish) where the
+# launch has at most FINISH_IN_SEGMENTS_PER_SM programs an SM, else in a third launch: a segment
+# kernel holding the select takes 255 registers (one 8-warp program an SM, by ptxas for sm_90),
+# without it a few dozen. On an H100 the fused form took 21.8 / 23.8 us at batch 8 / 32K (16 / 32
+# programs a row) against 26.1 for the three launches; it was not timed with more programs.
+FINISH_IN_SEGMENTS_PER_SM = 2
 PATHS = ("resident", "row", "chunked", "sampled")
 ONE_PROGRAM_PATHS = ("resident", "row")
 
@@ -583,9 +589,9 @@ def _topk_sampled_kernel(
                      DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, LARGE, 1, 0, False)  # fmt: skip
 
 
-# The sampled path with each row split over chunks: two launches (the rows' thresholds, then the
-# chunks' segments), the row selected by the last of its chunks to finish; no program waits for
-# another.
+# The sampled path with each row split over chunks: the rows' thresholds, then the chunks' segments,
+# the row selected from its segments by the last of its chunks to finish (two launches) or by a third
+# launch; no program waits for another.
 
 
 @triton.jit
@@ -601,22 +607,48 @@ def _topk_sample_kernel(scores_ptr, low_ptr, arrived_ptr, req_ptr, C, K, R, stri
 
 
 @triton.jit
+def _finish_segments(row, t, need, low, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr, count_ptr, route_ptr, pt_ptr,
+                     req_ptr, C, K, R, RANK, NCHUNK, stride_pt, stride_o,
+                     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
+                     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
+                     LOG_CHUNKS: tl.constexpr, SEG: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr,
+                     TAIL: tl.constexpr, BITS: tl.constexpr, SHARED: tl.constexpr):
+    """Row t selected from its segments, read in chunk order where they lie (:func:`_select_buffered`
+    over :func:`_entry_at`; with SHARED, written by other programs of this launch, bypassing L1),
+    after its chunks' starts are stored. A chunk's count exceeds SEG only if the row's exceeds
+    LARGE (SEG = min(chunk, LARGE)), and then the tiled passes select the row: every entry the
+    buffer routes read was stored."""
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    if SHARED:
+        counts = tl.load(cnt_ptr + t * NCHUNK + chunks, mask=chunks < NCHUNK, other=0, cache_modifier=".cg")
+    else:
+        counts = tl.load(cnt_ptr + t * NCHUNK + chunks, mask=chunks < NCHUNK, other=0)
+    start_row = start_ptr + t * BLOCK_CHUNKS
+    tl.store(start_row + chunks, tl.cumsum(counts, axis=0) - counts)  # padding chunks start at m
+    tl.debug_barrier()  # the starts' stores before any lane reads them
+    _select_buffered(row, C, K, need, low, tl.sum(counts, axis=0), sk_ptr + t * NCHUNK * SEG, sp_ptr + t * NCHUNK * SEG,
+                     start_row, out_ptr + t * stride_o, count_ptr + t, route_ptr + t,
+                     _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
+                     INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, SHARED)  # fmt: skip
+
+
+@triton.jit
 def _topk_segment_kernel(
     scores_ptr, low_ptr, arrived_ptr, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr, count_ptr, route_ptr, pt_ptr,
     req_ptr, C, K, R, RANK, CHUNK, NCHUNK, stride_s, stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr,
     SEG: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
+    FINISH: tl.constexpr,
 ):
     """Grid (T, NCHUNK): chunk j of row t compacts its candidates at or above ``low[t]`` into its
-    own segment of the row's buffer (at most SEG of them, :func:`_compact`), stores how many there
-    were (all of them) in ``cnt[t, j]`` and counts itself finished in ``arrived[t]``.
+    own segment of the row's buffer (at most SEG of them, :func:`_compact`) and stores how many
+    there were (all of them) in ``cnt[t, j]``.
 
-    The row's last chunk to finish selects the row from its segments, read in chunk order where
-    they lie (:func:`_select_buffered` over :func:`_entry_at`, bypassing L1: other programs wrote
-    them), after storing the chunks' starts. A chunk's count exceeds SEG only if the row's exceeds
-    LARGE (SEG = min(chunk, LARGE)), and then the tiled passes select the row: every entry the
-    buffer routes read was stored."""
+    With FINISH the chunk then counts itself finished in ``arrived[t]`` (after a barrier of its
+    lanes' stores, acquire-release), and the row's last chunk to finish selects the row
+    (:func:`_finish_segments`). Without it the kernel holds no select (a few dozen registers, so
+    many programs an SM compact at once) and ``_topk_finish_segments_kernel`` selects the rows."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     row = scores_ptr + t * stride_s
@@ -626,17 +658,31 @@ def _topk_segment_kernel(
     low = tl.load(low_ptr + t).to(tl.uint32, bitcast=True)
     n = _compact(row, lo, tl.minimum(lo + CHUNK, C), low, sk_ptr + seg, sp_ptr + seg, need > 0, SEG, BLOCK)
     tl.store(cnt_ptr + t * NCHUNK + j, n)
-    tl.debug_barrier()  # every lane's stores before the arrival (released by it)
-    if tl.atomic_add(arrived_ptr + t, 1, sem="acq_rel") == NCHUNK - 1:
-        chunks = tl.arange(0, BLOCK_CHUNKS)
-        counts = tl.load(cnt_ptr + t * NCHUNK + chunks, mask=chunks < NCHUNK, other=0, cache_modifier=".cg")
-        start_row = start_ptr + t * BLOCK_CHUNKS
-        tl.store(start_row + chunks, tl.cumsum(counts, axis=0) - counts)  # padding chunks start at m
-        tl.debug_barrier()  # the starts' stores before any lane reads them
-        _select_buffered(row, C, K, need, low, tl.sum(counts, axis=0), sk_ptr + t * NCHUNK * SEG,
-                         sp_ptr + t * NCHUNK * SEG, start_row, out_ptr + t * stride_o, count_ptr + t, route_ptr + t,
-                         _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
-                         INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, True)  # fmt: skip
+    if FINISH:
+        tl.debug_barrier()  # every lane's stores before the arrival (released by it)
+        if tl.atomic_add(arrived_ptr + t, 1, sem="acq_rel") == NCHUNK - 1:
+            _finish_segments(row, t, need, low, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr, count_ptr, route_ptr,
+                             pt_ptr, req_ptr, C, K, R, RANK, NCHUNK, stride_pt, stride_o, PAGE, HAS_PT, REMAP,
+                             DCP_SIZE, INTERLEAVE, BLOCK, BLOCK_CHUNKS, LOG_CHUNKS, SEG, SMALL, LARGE, TAIL, BITS,
+                             True)  # fmt: skip
+
+
+@triton.jit
+def _topk_finish_segments_kernel(
+    scores_ptr, low_ptr, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr, count_ptr, route_ptr, pt_ptr, req_ptr, C, K, R,
+    RANK, NCHUNK, stride_s, stride_pt, stride_o,
+    PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr,
+    SEG: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
+):
+    """Grid (T,): row t selected from its segments (:func:`_finish_segments`), after the segment
+    launch without FINISH."""
+    t = tl.program_id(0).to(tl.int64)
+    _finish_segments(scores_ptr + t * stride_s, t, _row_need(req_ptr, t, C, K, R, HAS_PT),
+                     tl.load(low_ptr + t).to(tl.uint32, bitcast=True), cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr,
+                     count_ptr, route_ptr, pt_ptr, req_ptr, C, K, R, RANK, NCHUNK, stride_pt, stride_o, PAGE, HAS_PT,
+                     REMAP, DCP_SIZE, INTERLEAVE, BLOCK, BLOCK_CHUNKS, LOG_CHUNKS, SEG, SMALL, LARGE, TAIL, BITS,
+                     False)  # fmt: skip
 
 
 @triton.jit
@@ -886,11 +932,18 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         sk = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
         sp = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
         start = torch.empty((T, next_pow2(ns)), dtype=torch.int32, device=device)
+        finish = T * ns <= FINISH_IN_SEGMENTS_PER_SM * max(sm_count(device), 1)
+        segments = dict(BLOCK_CHUNKS=next_pow2(ns), LOG_CHUNKS=next_pow2(ns).bit_length() - 1, SEG=seg, **held)
         _topk_segment_kernel[(T, ns)](
             scores, low, arrived, cnt, start, sk, sp, out, count, route, pt, req, C, k, rows, rank, chunk, ns,
-            scores.stride(0), stride_pt, out.stride(0), **common, BLOCK_CHUNKS=next_pow2(ns),
-            LOG_CHUNKS=next_pow2(ns).bit_length() - 1, SEG=seg, **held, num_warps=warps,
+            scores.stride(0), stride_pt, out.stride(0), **common, **segments, FINISH=finish,
+            num_warps=num_warps or (warps if finish else 4),
         )  # fmt: skip
+        if not finish:
+            _topk_finish_segments_kernel[(T,)](
+                scores, low, cnt, start, sk, sp, out, count, route, pt, req, C, k, rows, rank, ns, scores.stride(0),
+                stride_pt, out.stride(0), **common, **segments, num_warps=warps,
+            )  # fmt: skip
         return out, count
     if path == "row":
         _topk_row_kernel[(T,)](
@@ -939,8 +992,8 @@ def topk_select_triton(
       compacts the candidates at or above it into a buffer with one read, and selects the buffer
       as the resident path selects a row; the row path's passes where the buffer cannot hold
       the selection (:func:`_topk_sampled_kernel`). With ``chunks`` > 1 the compaction is split
-      over programs (two launches: ``_topk_sample_kernel``, then ``_topk_segment_kernel``,
-      whose last program of a row to finish selects the row).
+      over programs (``_topk_sample_kernel``, then ``_topk_segment_kernel``, whose last program
+      of a row to finish selects the row, or with many programs ``_topk_finish_segments_kernel``).
     - ``"row"`` (grid (T,)): one program a row that reads the row again in ``block``-candidate
       tiles for each pass and for the write.
     - ``"chunked"``: each row split into ``chunks`` chunks; four histogram passes (grid (T, chunks)
