@@ -55,11 +55,12 @@ from .topk_remap import _owned, topk_remap_reference
 RADIX = 256  # 8-bit digits: four passes over a 32-bit key (the row and chunked paths)
 # Bits a step (1 or 2) of the threshold search over keys held in registers (:func:`_held_threshold`:
 # the resident kernel, and the sampled kernels' sample and buffer): each step one reduction of
-# counts, 16 steps for a full key at 2 bits. It replaced eight 4-bit passes of tl.histogram (each a
-# ballot per bit of the bin and a popcount per bin a lane owns, then a scan of the 16 bins), which
-# on an H200 (K = 2048, in a CUDA graph, fp32 randn scores) had beaten 8-bit digits: batch 1 / 4K
-# 7.7 against 9.4 us, batch 1 / 8K 14.0 against 19.8, batch 128 / 16K 32.6 against 42.8.
-RESIDENT_BITS = 2
+# counts, stopping once exactly the need lie at or above the prefix. It replaced eight 4-bit passes
+# of tl.histogram (each a ballot per bit of the bin and a popcount per bin a lane owns, then a scan
+# of the 16 bins). On an H100 (K = 2048, in a CUDA graph, fp32 randn scores, one process; us)
+# histogram / 2 bits / 1 bit: batch 1 / 4K 9.7 / 8.5 / 8.3, batch 1 / 8K 16.8 / 14.8 / 13.6, batch
+# 8 / 32K (split sampled) 26.1 / 23.8 / 23.1.
+RESIDENT_BITS = 1
 # The resident path (one program holds its whole row in registers) is the default for one program
 # a row up to RESIDENT_MAX candidates, the sampled path above it. On an H200 (K = 2048, in a CUDA
 # graph, fp32 randn scores, page size 64: the inputs of `bench indexer --only topk`) the resident
