@@ -412,14 +412,11 @@ def test_topk_select_remap_positions():
             assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (path, r)
 
 
-@pytest.mark.parametrize("search_bits", [1, 2])
-def test_topk_select_resident_random(monkeypatch, search_bits):
+def test_topk_select_resident_random():
     """The resident path (the whole row in registers) against the references on random rows of few
     values: ties at the k-th value, NaN, +-inf, -0.0/+0.0, rows with fewer valid candidates than k,
     k > C; as positions and through a page table (negative pages, a row without a request), and
-    fused with the remap on every rank (local rows and counts); the held threshold searched one
-    and two bits a step."""
-    monkeypatch.setattr(select_mod, "RESIDENT_BITS", search_bits)
+    fused with the remap on every rank (local rows and counts)."""
     gen = _gen("resident")
     page_table, req_ids, _, page = _paged_step(gen, T=6)
     T, C = req_ids.shape[0], page_table.shape[1] * page

@@ -53,14 +53,13 @@ from .index_scores import candidate_slots
 from .topk_remap import _owned, topk_remap_reference
 
 RADIX = 256  # 8-bit digits: four passes over a 32-bit key (the row and chunked paths)
-# Bits a step (1 or 2) of the threshold search over keys held in registers (:func:`_held_threshold`:
-# the resident kernel, and the sampled kernels' sample and buffer): each step one reduction of
-# counts, stopping once exactly the need lie at or above the prefix. It replaced eight 4-bit passes
-# of tl.histogram (each a ballot per bit of the bin and a popcount per bin a lane owns, then a scan
-# of the 16 bins). On an H100 (K = 2048, in a CUDA graph, fp32 randn scores, one process; us)
-# histogram / 2 bits / 1 bit: batch 1 / 4K 9.7 / 8.5 / 8.3, batch 1 / 8K 16.8 / 14.8 / 13.6, batch
-# 8 / 32K (split sampled) 26.1 / 23.8 / 23.1.
-RESIDENT_BITS = 1
+# The threshold search over keys held in registers (:func:`_held_threshold`: the resident kernel, and
+# the sampled kernels' sample and buffer) goes one bit a step, each step one reduction of a count,
+# stopping once exactly the need lie at or above the prefix. It replaced eight 4-bit passes of
+# tl.histogram (each a ballot per bit of the bin and a popcount per bin a lane owns, then a scan of
+# the 16 bins). On an H100 (K = 2048, in a CUDA graph, fp32 randn scores, one process; us)
+# histogram / two bits a step (three counts packed in one int64 reduction) / one bit: batch 1 / 4K
+# 9.7 / 8.5 / 8.3, batch 1 / 8K 16.8 / 14.8 / 13.6, batch 8 / 32K (split sampled) 26.1 / 23.8 / 23.1.
 # The resident path (one program holds its whole row in registers) is the default for one program
 # a row up to RESIDENT_MAX candidates, the sampled path above it. On an H200 (K = 2048, in a CUDA
 # graph, fp32 randn scores, page size 64: the inputs of `bench indexer --only topk`) the resident
@@ -356,41 +355,28 @@ def _topk_row_kernel(
 
 
 @triton.jit
-def _held_threshold(key, need, BITS: tl.constexpr, PREFIX_BITS: tl.constexpr = 32):
-    """A threshold key for the ``need`` best of a register tensor of keys (at most 2**15 of them):
-    either exactly ``need`` keys lie at or above it, or it is the ``need``-th best key with its
-    bits below the top PREFIX_BITS cleared (with PREFIX_BITS = 32 the key itself). Either way it
-    is at or below the ``need``-th best key. 0 (``-inf``'s key) only when fewer than ``need`` keys
-    are above 0; for ``need = 0`` no key is at or above it (or exactly none are).
+def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32):
+    """A threshold key for the ``need`` best of a register tensor of keys: either exactly ``need``
+    keys lie at or above it, or it is the ``need``-th best key with its bits below the top
+    PREFIX_BITS cleared (with PREFIX_BITS = 32 the key itself). Either way it is at or below the
+    ``need``-th best key. 0 (``-inf``'s key) only when fewer than ``need`` keys are above 0; for
+    ``need = 0`` no key is at or above it (or exactly none are).
 
-    Found BITS (1 or 2) bits a step, most significant first, each step one reduction: the counts
-    of keys at or above the prefix extended by each nonzero digit (two bits: three counts, packed
-    in 16-bit fields of one int64); the digit is how many of them reach ``need``, and the search
-    stops once the keys at or above the prefix number exactly ``need`` (about 12 bits into 4K
-    random keys). A count of the keys at or above a bound is a compare a key, where a histogram of
-    the digit costs a ballot per bit of the bin and a popcount per bin a lane owns, then a scan."""
+    Found one bit a step, most significant first, each step one reduction: the count of keys at
+    or above the prefix extended by a 1 bit; the bit is 1 where that count reaches ``need``, and
+    the search stops once the keys at or above the prefix number exactly ``need`` (about 12 bits
+    into 4K random keys)."""
     prefix = tl.cast(0, tl.uint32)
     thr = tl.cast(0, tl.uint32)
-    have = tl.cast(-1, tl.int32)  # keys at or above thr, once a digit was nonzero
+    have = tl.cast(-1, tl.int32)  # keys at or above thr, once a bit was 1
     done = need < 0
-    for d in tl.static_range(PREFIX_BITS // BITS):
+    for d in tl.static_range(PREFIX_BITS):
         if not done:
-            SHIFT: tl.constexpr = 32 - BITS * (d + 1)
-            base = prefix << BITS
-            if BITS == 1:
-                c1 = tl.sum((key >= ((base | 1) << SHIFT)).to(tl.int32), axis=0)
-                digit = (c1 >= need).to(tl.uint32)
-                have = tl.where(c1 >= need, c1, have)
-            else:
-                packed = tl.sum((key >= ((base | 1) << SHIFT)).to(tl.int64)
-                                | ((key >= ((base | 2) << SHIFT)).to(tl.int64) << 16)
-                                | ((key >= ((base | 3) << SHIFT)).to(tl.int64) << 32), axis=0)  # fmt: skip
-                c1 = (packed & 0xFFFF).to(tl.int32)
-                c2 = ((packed >> 16) & 0xFFFF).to(tl.int32)
-                c3 = (packed >> 32).to(tl.int32)
-                digit = (c1 >= need).to(tl.uint32) + (c2 >= need).to(tl.uint32) + (c3 >= need).to(tl.uint32)
-                have = tl.where(c3 >= need, c3, tl.where(c2 >= need, c2, tl.where(c1 >= need, c1, have)))
-            prefix = base | digit
+            SHIFT: tl.constexpr = 31 - d
+            up = (prefix << 1) | 1
+            above = tl.sum((key >= (up << SHIFT)).to(tl.int32), axis=0)
+            prefix = tl.where(above >= need, up, prefix << 1)
+            have = tl.where(above >= need, above, have)
             thr = prefix << SHIFT
             done = have == need
     return thr
@@ -398,8 +384,7 @@ def _held_threshold(key, need, BITS: tl.constexpr, PREFIX_BITS: tl.constexpr = 3
 
 @triton.jit
 def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl.constexpr, HAS_PT: tl.constexpr,
-                 REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, TAIL: tl.constexpr,
-                 BITS: tl.constexpr):
+                 REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, TAIL: tl.constexpr):
     """Select and write the ``need`` best of a register tensor of keys (at most 2**15 of them) whose
     candidate positions ``pos`` ascend with the lane (lanes that hold nothing hold key 0).
 
@@ -409,7 +394,7 @@ def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl
     of packed counts (keys above the threshold in the high 16 bits, equal to it in the low 16)
     gives every selected key its output column: the keys above it before it, plus its rank
     among the equal ones."""
-    thr = _held_threshold(key, need, BITS)
+    thr = _held_threshold(key, need)
     gt = (key > thr).to(tl.uint32)
     eq = (key == thr).to(tl.uint32)
     need = tl.where(thr == 0, 0, need - tl.sum(gt.to(tl.int32), axis=0))
@@ -435,14 +420,13 @@ def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl
 def _topk_resident_kernel(
     scores_ptr, out_ptr, count_ptr, pt_ptr, req_ptr, C, K, R, RANK, stride_s, stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
-    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
 ):
     """Grid (T,): one program selects a whole row held in registers (BLOCK >= C).
 
     The row is read once and its keys computed once, then selected in registers
-    (:func:`_select_held`, the threshold searched ``RESIDENT_BITS`` bits a step). Out-of-range
-    lanes (and every lane of a row without a request) load ``-inf``: key 0, which is never
-    selected, so only the load is masked."""
+    (:func:`_select_held`). Out-of-range lanes (and every lane of a row without a request) load
+    ``-inf``: key 0, which is never selected, so only the load is masked."""
     t = tl.program_id(0).to(tl.int64)
     need = _row_need(req_ptr, t, C, K, R, HAS_PT)
     offs = tl.arange(0, BLOCK)
@@ -450,12 +434,11 @@ def _topk_resident_kernel(
     key = _ordered_key(tl.load(scores_ptr + t * stride_s + offs, mask=inr, other=float("-inf")).to(tl.float32))
     _select_held(key, offs, K, need, out_ptr + t * stride_o, count_ptr + t,
                  _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
-                 INTERLEAVE, TAIL, BITS)  # fmt: skip
+                 INTERLEAVE, TAIL)  # fmt: skip
 
 
 @triton.jit
-def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, BITS: tl.constexpr,
-                      PREFIX_BITS: tl.constexpr):
+def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, PREFIX_BITS: tl.constexpr):
     """A key ``>= 1`` below which, with high probability, none of the row's ``need`` best lie: the
     r-th best of SAMPLE candidates taken one in ``ceil(C / SAMPLE)`` (at a hashed offset in
     each stride, so no period of the scores lines up with the sample), where r is the count the
@@ -473,7 +456,7 @@ def _sample_threshold(row, C, need, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, 
     n = tl.sum(valid.to(tl.int32), axis=0)
     share = need.to(tl.float32) * n.to(tl.float32) / C.to(tl.float32)
     r = tl.minimum((share + SIGMAS * tl.sqrt(share) + 4.0).to(tl.int32) + 1, n)
-    return tl.maximum(_held_threshold(key, r, BITS, PREFIX_BITS), 1)
+    return tl.maximum(_held_threshold(key, r, PREFIX_BITS), 1)
 
 
 @triton.jit
@@ -518,7 +501,7 @@ def _entry_at(i, start_row, SEG: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_C
 @triton.jit
 def _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl.constexpr,
                    HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr,
-                   LANES: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr,
+                   LANES: tl.constexpr, TAIL: tl.constexpr, SEG: tl.constexpr,
                    BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr, SHARED: tl.constexpr):
     """Select the ``need`` best of the buffer's first ``m`` keys and positions (:func:`_entry_at`
     says where each lies), held in LANES lanes; with SHARED (other programs wrote the buffer) the
@@ -532,14 +515,14 @@ def _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_r
         key = tl.load(kbuf + at, mask=i < m, other=0)
         pos = tl.load(pbuf + at, mask=i < m, other=0)
     _select_held(key.to(tl.uint32, bitcast=True), pos, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT,
-                 REMAP, DCP_SIZE, INTERLEAVE, TAIL, BITS)  # fmt: skip
+                 REMAP, DCP_SIZE, INTERLEAVE, TAIL)  # fmt: skip
 
 
 @triton.jit
 def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, start_row, out_row, count_ptr, route_ptr, page_row, RANK,
                      PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
                      INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr,
-                     TAIL: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
+                     TAIL: tl.constexpr, SEG: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
                      LOG_CHUNKS: tl.constexpr, SHARED: tl.constexpr):
     """Select the row from its buffer of the ``m`` candidates at or above ``low`` where that is
     safe (``m >= need``, or ``low`` lets every candidate but ``-inf`` through) and the buffer
@@ -550,11 +533,11 @@ def _select_buffered(row, C, K, need, low, m, kbuf, pbuf, start_row, out_row, co
     if safe & (m <= SMALL):
         tl.store(route_ptr, 0)
         _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP,
-                       DCP_SIZE, INTERLEAVE, SMALL, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, SHARED)  # fmt: skip
+                       DCP_SIZE, INTERLEAVE, SMALL, TAIL, SEG, BLOCK_CHUNKS, LOG_CHUNKS, SHARED)  # fmt: skip
     elif safe & (m <= LARGE):
         tl.store(route_ptr, 1)
         _select_buffer(kbuf, pbuf, start_row, m, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP,
-                       DCP_SIZE, INTERLEAVE, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, SHARED)  # fmt: skip
+                       DCP_SIZE, INTERLEAVE, LARGE, TAIL, SEG, BLOCK_CHUNKS, LOG_CHUNKS, SHARED)  # fmt: skip
     else:
         tl.store(route_ptr, 2)
         _select_tiled(row, C, K, need, out_row, count_ptr, page_row, RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
@@ -567,7 +550,7 @@ def _topk_sampled_kernel(
     stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr,
-    PREFIX_BITS: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
+    PREFIX_BITS: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr,
 ):
     """Grid (T,): one program selects a long row from a sample's threshold.
 
@@ -582,12 +565,12 @@ def _topk_sampled_kernel(
     need = _row_need(req_ptr, t, C, K, R, HAS_PT)
     kbuf = kbuf_ptr + t * LARGE
     pbuf = pbuf_ptr + t * LARGE
-    low = _sample_threshold(row, C, need, SAMPLE, SIGMAS, BITS, PREFIX_BITS)
+    low = _sample_threshold(row, C, need, SAMPLE, SIGMAS, PREFIX_BITS)
     m = _compact(row, 0, C, low, kbuf, pbuf, need > 0, LARGE, BLOCK)
     tl.debug_barrier()  # the buffer's stores before any lane reads them
     _select_buffered(row, C, K, need, low, m, kbuf, pbuf, kbuf, out_ptr + t * stride_o, count_ptr + t,
                      route_ptr + t, _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP,
-                     DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, LARGE, 1, 0, False)  # fmt: skip
+                     DCP_SIZE, INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, LARGE, 1, 0, False)  # fmt: skip
 
 
 # The sampled path with each row split over chunks: the rows' thresholds, then the chunks' segments,
@@ -597,12 +580,12 @@ def _topk_sampled_kernel(
 
 @triton.jit
 def _topk_sample_kernel(scores_ptr, low_ptr, arrived_ptr, req_ptr, C, K, R, stride_s, HAS_PT: tl.constexpr,
-                        SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, BITS: tl.constexpr, PREFIX_BITS: tl.constexpr):
+                        SAMPLE: tl.constexpr, SIGMAS: tl.constexpr, PREFIX_BITS: tl.constexpr):
     """Grid (T,): row t's threshold key (:func:`_sample_threshold`) into ``low[t]``, and its
     count of finished chunks zeroed."""
     t = tl.program_id(0).to(tl.int64)
     low = _sample_threshold(scores_ptr + t * stride_s, C, _row_need(req_ptr, t, C, K, R, HAS_PT), SAMPLE, SIGMAS,
-                            BITS, PREFIX_BITS)  # fmt: skip
+                            PREFIX_BITS)  # fmt: skip
     tl.store(low_ptr + t, low.to(tl.int32, bitcast=True))
     tl.store(arrived_ptr + t, 0)
 
@@ -613,7 +596,7 @@ def _finish_segments(row, t, need, low, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_
                      PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
                      INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
                      LOG_CHUNKS: tl.constexpr, SEG: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr,
-                     TAIL: tl.constexpr, BITS: tl.constexpr, SHARED: tl.constexpr):
+                     TAIL: tl.constexpr, SHARED: tl.constexpr):
     """Row t selected from its segments, read in chunk order where they lie (:func:`_select_buffered`
     over :func:`_entry_at`; with SHARED, written by other programs of this launch, bypassing L1),
     after its chunks' starts are stored. A chunk's count exceeds SEG only if the row's exceeds
@@ -630,7 +613,7 @@ def _finish_segments(row, t, need, low, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_
     _select_buffered(row, C, K, need, low, tl.sum(counts, axis=0), sk_ptr + t * NCHUNK * SEG, sp_ptr + t * NCHUNK * SEG,
                      start_row, out_ptr + t * stride_o, count_ptr + t, route_ptr + t,
                      _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
-                     INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, BITS, SEG, BLOCK_CHUNKS, LOG_CHUNKS, SHARED)  # fmt: skip
+                     INTERLEAVE, BLOCK, SMALL, LARGE, TAIL, SEG, BLOCK_CHUNKS, LOG_CHUNKS, SHARED)  # fmt: skip
 
 
 @triton.jit
@@ -639,7 +622,7 @@ def _topk_segment_kernel(
     req_ptr, C, K, R, RANK, CHUNK, NCHUNK, stride_s, stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr,
-    SEG: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
+    SEG: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr,
     FINISH: tl.constexpr,
 ):
     """Grid (T, NCHUNK): chunk j of row t compacts its candidates at or above ``low[t]`` into its
@@ -664,7 +647,7 @@ def _topk_segment_kernel(
         if tl.atomic_add(arrived_ptr + t, 1, sem="acq_rel") == NCHUNK - 1:
             _finish_segments(row, t, need, low, cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr, count_ptr, route_ptr,
                              pt_ptr, req_ptr, C, K, R, RANK, NCHUNK, stride_pt, stride_o, PAGE, HAS_PT, REMAP,
-                             DCP_SIZE, INTERLEAVE, BLOCK, BLOCK_CHUNKS, LOG_CHUNKS, SEG, SMALL, LARGE, TAIL, BITS,
+                             DCP_SIZE, INTERLEAVE, BLOCK, BLOCK_CHUNKS, LOG_CHUNKS, SEG, SMALL, LARGE, TAIL,
                              True)  # fmt: skip
 
 
@@ -674,7 +657,7 @@ def _topk_finish_segments_kernel(
     RANK, NCHUNK, stride_s, stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, LOG_CHUNKS: tl.constexpr,
-    SEG: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr, BITS: tl.constexpr,
+    SEG: tl.constexpr, SMALL: tl.constexpr, LARGE: tl.constexpr, TAIL: tl.constexpr,
 ):
     """Grid (T,): row t selected from its segments (:func:`_finish_segments`), after the segment
     launch without FINISH."""
@@ -682,7 +665,7 @@ def _topk_finish_segments_kernel(
     _finish_segments(scores_ptr + t * stride_s, t, _row_need(req_ptr, t, C, K, R, HAS_PT),
                      tl.load(low_ptr + t).to(tl.uint32, bitcast=True), cnt_ptr, start_ptr, sk_ptr, sp_ptr, out_ptr,
                      count_ptr, route_ptr, pt_ptr, req_ptr, C, K, R, RANK, NCHUNK, stride_pt, stride_o, PAGE, HAS_PT,
-                     REMAP, DCP_SIZE, INTERLEAVE, BLOCK, BLOCK_CHUNKS, LOG_CHUNKS, SEG, SMALL, LARGE, TAIL, BITS,
+                     REMAP, DCP_SIZE, INTERLEAVE, BLOCK, BLOCK_CHUNKS, LOG_CHUNKS, SEG, SMALL, LARGE, TAIL,
                      False)  # fmt: skip
 
 
@@ -900,7 +883,7 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         res = max(next_pow2(C), 16)
         _topk_resident_kernel[(T,)](
             scores, out, count, pt, req, C, k, rows, rank, scores.stride(0), stride_pt, out.stride(0),
-            **common, BLOCK=res, TAIL=max(res, min(next_pow2(k), 2048)), BITS=RESIDENT_BITS,
+            **common, BLOCK=res, TAIL=max(res, min(next_pow2(k), 2048)),
             num_warps=num_warps or _resident_warps(res),
         )  # fmt: skip
         return out, count
@@ -910,7 +893,7 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
     if path == "sampled":
         sample, small, large = _sampled_sizes(C, k)
         route = route if route is not None else torch.empty((T,), dtype=torch.int32, device=device)
-        held = dict(SMALL=small, LARGE=large, TAIL=max(16, min(next_pow2(k), 2048)), BITS=RESIDENT_BITS)
+        held = dict(SMALL=small, LARGE=large, TAIL=max(16, min(next_pow2(k), 2048)))
         warps = num_warps or _resident_warps(large)
         if ns == 1:
             kbuf = torch.empty((T, large), dtype=torch.int32, device=device)
@@ -927,8 +910,8 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         arrived = torch.empty((T,), dtype=torch.int32, device=device)  # zeroed by the sample kernel
         cnt = torch.empty((T, ns), dtype=torch.int32, device=device)
         _topk_sample_kernel[(T,)](scores, low, arrived, req, C, k, rows, scores.stride(0), HAS_PT=has_pt,
-                                  SAMPLE=sample, SIGMAS=SAMPLE_SIGMAS, BITS=RESIDENT_BITS,
-                                  PREFIX_BITS=SAMPLE_PREFIX_BITS, num_warps=_resident_warps(sample))  # fmt: skip
+                                  SAMPLE=sample, SIGMAS=SAMPLE_SIGMAS, PREFIX_BITS=SAMPLE_PREFIX_BITS,
+                                  num_warps=_resident_warps(sample))  # fmt: skip
         seg = min(chunk, large)
         sk = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
         sp = torch.empty((T, ns, seg), dtype=torch.int32, device=device)
