@@ -449,15 +449,16 @@ def test_topk_select_resident_random():
     (1, 4096, ("resident", 1)),  # fits one program's registers
     (128, 8192, ("resident", 1)),
     (1, 32768, ("sampled", 32)),  # rows up to 32K: the split sampled form, 1024 candidates a program
-    (1, 65536, ("chunked", 64)),  # few rows over 32K: the chunked passes
-    (4, 131072, ("chunked", 66)),  # about two programs an SM
-    (8, 16384, ("sampled", 16)),  # from 8 rows the split sampled form
-    (32, 32768, ("sampled", 9)),
-    (32, 131072, ("sampled", 16)),  # a split sampled program compacts at most 8K candidates
+    (1, 65536, ("chunked", 64)),  # a single row over 32K: the chunked passes
+    (2, 65536, ("sampled", 64)),  # from two rows the split sampled form
+    (4, 131072, ("sampled", 66)),  # about two programs an SM
+    (8, 16384, ("sampled", 16)),
+    (32, 32768, ("sampled", 16)),  # a split sampled program compacts at most 2K candidates
+    (32, 131072, ("sampled", 64)),
     (128, 16384, ("sampled", 1)),  # <= 16K candidates and <= 4 programs a row: one program
-    (128, 32768, ("sampled", 4)),
-    (2048, 20480, ("sampled", 3)),
-    (2048, 40960, ("sampled", 5)),
+    (128, 32768, ("sampled", 16)),
+    (2048, 20480, ("sampled", 10)),
+    (2048, 40960, ("sampled", 20)),
 ])
 def test_topk_select_default_plan(monkeypatch, T, C, want):
     """The launcher's (path, programs a row) on a GPU of 132 SMs (an H200), and on the CPU one
@@ -542,15 +543,17 @@ class _Launches:
 
 def test_topk_select_paths_and_keywords(monkeypatch):
     """One program a row runs the resident kernel up to RESIDENT_MAX candidates, the sampled kernel
-    above; with neither keyword the default plan picks (on the GPU two rows above RESIDENT_MAX are
-    split: the chunked passes); ``chunks`` > 1 forces the chunked passes, ``path`` any path; bad
-    keywords raise."""
+    above; with neither keyword the default plan picks (on the GPU two short rows above
+    RESIDENT_MAX are split: the split sampled form); ``chunks`` > 1 forces the chunked passes,
+    ``path`` any path; bad keywords raise."""
     monkeypatch.setattr(select_mod, "RESIDENT_MAX", 32)
-    names = ("_topk_resident_kernel", "_topk_write_kernel", "_topk_sampled_kernel")  # (the row kernel: none of them)
+    names = ("_topk_resident_kernel", "_topk_write_kernel", "_topk_sampled_kernel",
+             "_topk_segment_kernel")  # (the row kernel: none of them)
     spies = {name: _Launches(getattr(select_mod, name)) for name in names}
     for name, spy in spies.items():
         monkeypatch.setattr(select_mod, name, spy)
-    default_long = select_mod._default_plan(2, 40, torch.device(DEVICE))[0]
+    long_path, long_programs = select_mod._default_plan(2, 40, torch.device(DEVICE))
+    default_long = "split sampled" if (long_path, long_programs > 1) == ("sampled", True) else long_path
     cases = [(32, dict(), "resident"), (40, dict(), default_long), (40, dict(chunks=1), "sampled"),
              (32, dict(chunks=2), "chunked"), (40, dict(path="resident", num_warps=4), "resident"),
              (32, dict(path="row"), "row"), (32, dict(path="chunked"), "chunked"),
@@ -562,7 +565,7 @@ def test_topk_select_paths_and_keywords(monkeypatch):
         assert torch.equal(got, select_mod.topk_select_reference(s, 6)), kw
         ran = {name for name, spy in spies.items() if spy.calls > before[name]}
         assert ran == {"resident": {"_topk_resident_kernel"}, "row": set(), "chunked": {"_topk_write_kernel"},
-                       "sampled": {"_topk_sampled_kernel"}}[want], kw
+                       "sampled": {"_topk_sampled_kernel"}, "split sampled": {"_topk_segment_kernel"}}[want], kw
     s = torch.randn(2, 40, device=DEVICE)
     with pytest.raises(ValueError, match="path must be"):
         select_mod.topk_select_triton(s, 6, path="tiles")

@@ -83,26 +83,31 @@ SAMPLE_SIGMAS = 5.0
 # the first 11 bits of the mantissa): the floor of that bin lies within 2**-11 of the sample's r-th
 # best, relative, which lets through a few more candidates and saves the search's last passes.
 SAMPLE_PREFIX_BITS = 20
-# Rows above RESIDENT_MAX candidates are split over programs (:func:`_default_plan`): fewer than
-# SPLIT_SAMPLED_ROWS rows of over CHUNKED_MIN candidates by the chunked passes, the rest by the
+# Rows above RESIDENT_MAX candidates are split over programs (:func:`_default_plan`): a single row
+# (fewer than CHUNKED_ROWS) of over CHUNKED_MIN candidates by the chunked passes, the rest by the
 # split sampled form; rows of up to ONE_PROGRAM_MAX candidates that would get at most four programs
-# each keep one. On an H100 (K = 2048, in a CUDA graph, one process) batch 1 took 18.7 / 22.8 us
-# (split sampled / chunked) at 16K and 19.9 / 23.1 at 32K, but 30.1 / 23.9 at 128K, where the
-# split sampled form's one-program parts (an 8K sample, the finish) weigh more.
+# each keep one if there are SPLIT_SAMPLED_ROWS rows or more. On an H100 (K = 2048, in a CUDA graph,
+# one process; us) batch 1 took 18.3 / 19.6 (split sampled / chunked, 32 programs a row) at 32K but
+# 27.8 / 23.7 at 128K (128 programs), where the split sampled form's one-program parts (an 8K
+# sample, the finish) weigh more; batch 4 at 128K took 31.0 / 35.4 (128 programs).
+CHUNKED_ROWS = 2
 SPLIT_SAMPLED_ROWS = 8
 CHUNKED_MIN = 32768
 ONE_PROGRAM_MAX = 16384
-# A program of the split sampled form compacts at most SAMPLED_CHUNK_MAX candidates: long rows get
-# more programs than the two an SM of :func:`split_programs` would give them. On an H200 (K = 2048,
-# in a CUDA graph, the stop-47 sweep of `bench indexer`) 9 / 16 programs a row took 55.8 / 49.4 us
-# at batch 32 / 128K, and 3 / 16 took 127.0 / 118.7 at batch 128 / 128K.
-SAMPLED_CHUNK_MAX = 8192
+# A program of the split sampled form compacts at most SAMPLED_CHUNK_MAX candidates: rows get more
+# programs than the two an SM of :func:`split_programs` would give them where that is more. On an
+# H100 (K = 2048, in a CUDA graph, rows selected in a third launch; us) 8 / 16 / 32 programs a row
+# took 26.6 / 25.3 / 25.9 at batch 32 / 32K, 52.2 / 46.0 / 46.2 at batch 32 / 128K, and 4 / 16 / 32
+# 40.5 / 40.7 / 41.3 at batch 128 / 32K, 8 / 32 / 64 117.3 / 114.9 / 116.8 at batch 128 / 128K.
+SAMPLED_CHUNK_MAX = 2048
 # The split sampled form selects a row in the segment launch (its last chunk to finish) where the
 # launch has at most FINISH_IN_SEGMENTS_PER_SM programs an SM, else in a third launch: a segment
 # kernel holding the select takes 255 registers (one 8-warp program an SM, by ptxas for sm_90),
-# without it a few dozen. On an H100 the fused form took 21.8 / 23.8 us at batch 8 / 32K (16 / 32
-# programs a row) against 26.1 for the three launches; it was not timed with more programs.
-FINISH_IN_SEGMENTS_PER_SM = 2
+# without it a few dozen. On an H100 (132 SMs; us) finished in segments / in a third launch: 128
+# programs in all 21.7 / 22.1 (batch 4 / 32K), 22.1 / 22.3 (batch 8 / 32K), 22.8 / 24.0 (batch 32 /
+# 16K); 256 programs 23.7 / 22.0 (batch 8 / 32K), 24.5 / 22.3 (batch 32 / 16K), 34.1 / 31.3 (batch
+# 4 / 128K); at batch 128 / 32K with 512 programs 59.9 / 40.5.
+FINISH_IN_SEGMENTS_PER_SM = 1
 PATHS = ("resident", "row", "chunked", "sampled")
 ONE_PROGRAM_PATHS = ("resident", "row")
 
@@ -806,21 +811,22 @@ def _default_plan(T: int, C: int, device: torch.device) -> tuple[str, int]:
     """(path, programs a row) the launcher takes for T rows of C candidates.
 
     Up to RESIDENT_MAX candidates one program holds its row (resident). Longer rows are split
-    (:func:`split_programs`): under SPLIT_SAMPLED_ROWS rows of over CHUNKED_MIN candidates by the
-    chunked passes, the rest by the split sampled form (at least one program per
-    SAMPLED_CHUNK_MAX candidates), except that rows of up to ONE_PROGRAM_MAX candidates that would
-    get at most four programs each keep one program a row (sampled). On an H200 (K = 2048, in a
+    (:func:`split_programs`): a single row (under CHUNKED_ROWS) of over CHUNKED_MIN candidates by
+    the chunked passes, the rest by the split sampled form (at least one program per
+    SAMPLED_CHUNK_MAX candidates), except that SPLIT_SAMPLED_ROWS rows or more of up to
+    ONE_PROGRAM_MAX candidates that would get at most four programs each keep one program a row
+    (sampled). On an H200 (K = 2048, in a
     CUDA graph, fp32 randn scores, ``bench indexer --only topk``; us; the split sampled form in
     three launches then): chunked / split sampled at batch 8 were 27.2 / 25.7 (16K), 29.2 / 29.4
     (32K), 57.4 / 43.5 (128K); one program / split sampled at batch 32 35.3 / 30.0, 51.7 / 33.8,
     142.9 / 63.5, and at batch 128 (three programs a row) 32.7 / 36.5, 52.4 / 49.8, 170.6 / 135.8.
-    The batch-1 choice is measured above CHUNKED_MIN."""
+    The choices under SPLIT_SAMPLED_ROWS rows are measured at the constants above."""
     if C <= RESIDENT_MAX:
         return "resident", 1
     ns = split_programs(T, C, device)
     if ns == 1 or (C <= ONE_PROGRAM_MAX and ns <= 4 and T >= SPLIT_SAMPLED_ROWS):
         return "sampled", 1
-    if T < SPLIT_SAMPLED_ROWS and C > CHUNKED_MIN:
+    if T < CHUNKED_ROWS and C > CHUNKED_MIN:
         return "chunked", ns
     return "sampled", max(ns, cdiv(C, SAMPLED_CHUNK_MAX))
 
