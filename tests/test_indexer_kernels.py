@@ -449,8 +449,9 @@ def test_topk_select_resident_random():
     (1, 4096, ("resident", 1)),  # fits one program's registers
     (128, 8192, ("resident", 1)),
     (1, 32768, ("sampled", 32)),  # rows up to 32K: the split sampled form, 1024 candidates a program
-    (1, 65536, ("chunked", 64)),  # a single row over 32K: the chunked passes
-    (2, 65536, ("sampled", 64)),  # from two rows the split sampled form
+    (1, 65536, ("chunked", 64)),  # one or two rows over 32K: the chunked passes
+    (2, 131072, ("chunked", 128)),
+    (3, 65536, ("sampled", 64)),  # from three rows the split sampled form
     (4, 131072, ("sampled", 66)),  # about two programs an SM
     (8, 16384, ("sampled", 16)),
     (32, 32768, ("sampled", 16)),  # a split sampled program compacts at most 2K candidates

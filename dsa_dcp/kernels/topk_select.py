@@ -83,14 +83,15 @@ SAMPLE_SIGMAS = 5.0
 # the first 11 bits of the mantissa): the floor of that bin lies within 2**-11 of the sample's r-th
 # best, relative, which lets through a few more candidates and saves the search's last passes.
 SAMPLE_PREFIX_BITS = 20
-# Rows above RESIDENT_MAX candidates are split over programs (:func:`_default_plan`): a single row
-# (fewer than CHUNKED_ROWS) of over CHUNKED_MIN candidates by the chunked passes, the rest by the
-# split sampled form; rows of up to ONE_PROGRAM_MAX candidates that would get at most four programs
-# each keep one if there are SPLIT_SAMPLED_ROWS rows or more. On an H100 (K = 2048, in a CUDA graph,
-# one process; us) batch 1 took 18.3 / 19.6 (split sampled / chunked, 32 programs a row) at 32K but
-# 27.8 / 23.7 at 128K (128 programs), where the split sampled form's one-program parts (an 8K
-# sample, the finish) weigh more; batch 4 at 128K took 31.0 / 35.4 (128 programs).
-CHUNKED_ROWS = 2
+# Rows above RESIDENT_MAX candidates are split over programs (:func:`_default_plan`): one or two
+# rows (fewer than CHUNKED_ROWS) of over CHUNKED_MIN candidates by the chunked passes, the rest by
+# the split sampled form; rows of up to ONE_PROGRAM_MAX candidates that would get at most four
+# programs each keep one if there are SPLIT_SAMPLED_ROWS rows or more. On an H100 (K = 2048, in a
+# CUDA graph, one process; us) batch 1 took 18.3 / 19.6 (split sampled / chunked, 32 programs a
+# row) at 32K but 27.8 / 23.7 at 128K (128 programs), where the split sampled form's one-program
+# parts (an 8K sample, the finish) weigh more; batch 2 at 128K 26.6 (128 programs) against 24.4
+# for the chunked passes of the histogram search before it; batch 4 at 128K 31.0 / 35.4 (128).
+CHUNKED_ROWS = 3
 SPLIT_SAMPLED_ROWS = 8
 CHUNKED_MIN = 32768
 ONE_PROGRAM_MAX = 16384
@@ -811,8 +812,8 @@ def _default_plan(T: int, C: int, device: torch.device) -> tuple[str, int]:
     """(path, programs a row) the launcher takes for T rows of C candidates.
 
     Up to RESIDENT_MAX candidates one program holds its row (resident). Longer rows are split
-    (:func:`split_programs`): a single row (under CHUNKED_ROWS) of over CHUNKED_MIN candidates by
-    the chunked passes, the rest by the split sampled form (at least one program per
+    (:func:`split_programs`): one or two rows (under CHUNKED_ROWS) of over CHUNKED_MIN candidates
+    by the chunked passes, the rest by the split sampled form (at least one program per
     SAMPLED_CHUNK_MAX candidates), except that SPLIT_SAMPLED_ROWS rows or more of up to
     ONE_PROGRAM_MAX candidates that would get at most four programs each keep one program a row
     (sampled). On an H200 (K = 2048, in a
