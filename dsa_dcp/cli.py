@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     indexer.add_argument("--json", help="also write the rows to this file")
     indexer.add_argument("--only", nargs="+", choices=["indexer", "topk", "remap", "tiles"],
                          help="time only these parts (default: indexer, topk, remap; tiles sweeps index_scores tiles)")
+    topk_paths = ["resident", "row", "split", "sampled", "sampled_split"]  # bench.indexer.TOPK_PATHS
+    indexer.add_argument("--topk-paths", nargs="*", choices=topk_paths, default=topk_paths,
+                         help="forced top-k paths timed beside the default plan (none: the default only)")
     indexer.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     indexer.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     indexer.add_argument("--keys", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])

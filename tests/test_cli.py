@@ -132,3 +132,18 @@ def test_inspect_prints_its_stages_and_a_refusal_once(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("dsa-dcp inspect: DCPValidationError: dsa_dcp cannot compile this program")
     assert err.count("dsa-dcp inspect:") == 1 and "Traceback" not in err and "heads" in err
+
+
+def test_bench_indexer_topk_paths(monkeypatch):
+    """``bench indexer --topk-paths`` passes the forced top-k paths to time (all by default, none
+    when given alone), named as ``bench.indexer.TOPK_PATHS`` names them; an unknown one is refused."""
+    import dsa_dcp.bench.indexer as bench_indexer
+
+    seen = []
+    monkeypatch.setattr(bench_indexer, "main", lambda args: seen.append(args.topk_paths) or 0)
+    for extra, want in (([], list(bench_indexer.TOPK_PATHS)), (["--topk-paths"], []),
+                        (["--topk-paths", "row", "sampled_split"], ["row", "sampled_split"])):
+        assert cli.main(["bench", "indexer", "--only", "topk", *extra]) == 0
+        assert seen.pop() == want
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "indexer", "--topk-paths", "chunked"])

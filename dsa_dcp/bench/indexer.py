@@ -23,7 +23,9 @@ before it is timed. Parts (``--only``):
   ``row``, one program a row reading the row in tiles; ``split``, the chunked passes;
   ``sampled``, one program a row compacting the candidates above a sample's threshold;
   ``sampled_split``, the same with the row's count and compaction split as ``split`` splits it) against
-  ``torch.topk`` on the same fp32 scores ``[B, C]`` (randn), K = 2048.
+  ``torch.topk`` on the same fp32 scores ``[B, C]`` (randn), K = 2048. ``--topk-paths`` names the
+  forced paths to time (default all; ``--topk-paths`` alone times the default plan only: most of a
+  full grid's time is compiling and timing the forced paths).
 - ``remap``: the fused top-k + remap (N = 2, rank 0) against the top-k alone and against the
   top-k followed by ``topk_remap_triton``.
 - ``tiles`` (only when asked for): ``index_scores`` at B = 32, 32K for every tile candidate
@@ -216,7 +218,12 @@ def _topk_inputs(b: int, ctx: int):
     return scores, page_table, torch.arange(b, device="cuda")
 
 
-def bench_topk(batches, contexts, out: list) -> None:
+TOPK_PATHS = ("resident", "row", "split", "sampled", "sampled_split")  # forced, beside the default ("ours")
+
+
+def bench_topk(batches, contexts, out: list, forced=TOPK_PATHS, after_row=lambda: None) -> None:
+    """``--only topk``: the default plan and each ``forced`` path of :data:`TOPK_PATHS` against
+    ``torch.topk``; ``after_row`` runs after each shape (saving the rows of a run cut short)."""
     from dsa_dcp.kernels import topk_select_reference, topk_select_triton
     from dsa_dcp.kernels.topk_select import RESIDENT_LIMIT, split_programs
 
@@ -227,6 +234,7 @@ def bench_topk(batches, contexts, out: list) -> None:
         row = {"part": "topk", "B": b, "ctx": ctx, "K": K, "bytes": b * ctx * 4 + b * K * 4, "split_chunks": split}
         paths = {"ours": {}, "resident": {"path": "resident"}, "row": {"path": "row"}, "split": {"chunks": split},
                  "sampled": {"path": "sampled", "chunks": 1}, "sampled_split": {"path": "sampled", "chunks": split}}
+        paths = {name: kw for name, kw in paths.items() if name == "ours" or name in forced}
         for name, kw in paths.items():
             if name == "resident" and ctx > RESIDENT_LIMIT:
                 continue
@@ -239,6 +247,7 @@ def bench_topk(batches, contexts, out: list) -> None:
         out.append(row)
         times = ", ".join(f"{name} {row[name + '_us']:.1f}" for name in [*paths, "torch"] if name + "_us" in row)
         print(f"# topk B={b} ctx={ctx} (us): {times}", file=sys.stderr)  # each path, for a run cut short
+        after_row()
 
 
 def bench_remap(batches, contexts, out: list, n: int = 2) -> None:
@@ -322,7 +331,7 @@ def main(args) -> int:
                            "rows": rows}, f, indent=1)  # fmt: skip
 
     if "topk" in only:
-        bench_topk(args.batches, args.contexts, rows)
+        bench_topk(args.batches, args.contexts, rows, forced=args.topk_paths, after_row=save)
         save()
     if "remap" in only:
         bench_remap(args.batches, args.contexts, rows)
