@@ -554,7 +554,7 @@ def test_topk_select_paths_and_keywords(monkeypatch):
     for name, spy in spies.items():
         monkeypatch.setattr(select_mod, name, spy)
     long_path, long_programs = select_mod._default_plan(2, 40, torch.device(DEVICE))
-    default_long = "split sampled" if (long_path, long_programs > 1) == ("sampled", True) else long_path
+    default_long = "split sampled" if long_path == "sampled" and long_programs > 1 else long_path
     cases = [(32, dict(), "resident"), (40, dict(), default_long), (40, dict(chunks=1), "sampled"),
              (32, dict(chunks=2), "chunked"), (40, dict(path="resident", num_warps=4), "resident"),
              (32, dict(path="row"), "row"), (32, dict(path="chunked"), "chunked"),

@@ -816,9 +816,8 @@ def _default_plan(T: int, C: int, device: torch.device) -> tuple[str, int]:
     by the chunked passes, the rest by the split sampled form (at least one program per
     SAMPLED_CHUNK_MAX candidates), except that SPLIT_SAMPLED_ROWS rows or more of up to
     ONE_PROGRAM_MAX candidates that would get at most four programs each keep one program a row
-    (sampled). On an H200 (K = 2048, in a
-    CUDA graph, fp32 randn scores, ``bench indexer --only topk``; us; the split sampled form in
-    three launches then): chunked / split sampled at batch 8 were 27.2 / 25.7 (16K), 29.2 / 29.4
+    (sampled). On an H200 (K = 2048, in a CUDA graph, fp32 randn scores, ``bench indexer --only
+    topk``; us; the split sampled form in three launches then): chunked / split sampled at batch 8 were 27.2 / 25.7 (16K), 29.2 / 29.4
     (32K), 57.4 / 43.5 (128K); one program / split sampled at batch 32 35.3 / 30.0, 51.7 / 33.8,
     142.9 / 63.5, and at batch 128 (three programs a row) 32.7 / 36.5, 52.4 / 49.8, 170.6 / 135.8.
     The choices under SPLIT_SAMPLED_ROWS rows are measured at the constants above."""
