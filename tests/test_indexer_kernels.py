@@ -783,6 +783,59 @@ def test_index_scores_fp8_queries_sharded_equal_the_replicated_cache():
     assert torch.equal(owned_total == 1, ~torch.isneginf(rep)), "every valid candidate is owned by exactly one rank"
 
 
+@pytest.mark.parametrize("keys", ["fp8-row", "fp8-tensor", "bf16"])
+@pytest.mark.parametrize("Hi,block_c,span", [(3, None, None), (4, 32, 64)])
+def test_index_scores_pages_path(keys, Hi, block_c, span):
+    """The page-block path (block copies of whole pages) against the fp64 brute force within the
+    contract's bound, and the gather path's -inf: padded heads, one and two pages a tile, several
+    programs a row, -1 pages, a page past the cache, a row without a request, short rows."""
+    gen = _gen("pages", keys, Hi, block_c)
+    page_table, req_ids, positions, page = _paged_step(gen, max_pages=5, page=16, pages_total=24)
+    T, Di, S = req_ids.shape[0], 32, 24 * page
+    q, w = torch.randn((T, Hi, Di), generator=gen), torch.randn((T, Hi), generator=gen) * Hi**-0.5
+    q, w = _fp8_queries(q, w) if keys.startswith("fp8") else (q.bfloat16(), w)
+    cache, key_scale, dequant = _keys(gen, S, Di, keys)
+    exp, err_scale = _brute_scores(q.double(), w, dequant, page_table, req_ids, positions, page)
+    page_table[0, 3] = 24  # request 0 (row 2, every page valid) names a page past the cache: no slot, no read
+    exp[2, 3 * page: 4 * page] = -INF
+    args = _dev(q, w, cache, key_scale, page_table, req_ids, positions)
+    got = scores_mod.index_scores_triton(*args, page, path="pages", block_c=block_c, span=span).cpu().double()
+    gathered = scores_mod.index_scores_triton(*args, page, path="gather").cpu()
+    assert torch.equal(torch.isneginf(got), torch.isneginf(exp)), "-inf (invalid) positions differ"
+    assert torch.equal(torch.isneginf(gathered), torch.isneginf(exp))
+    fin = torch.isfinite(exp)
+    assert fin.sum() > 20 and not torch.isnan(got).any()
+    err = (got[fin] - exp[fin]).abs()
+    assert (err <= 1e-5 * err_scale[fin] + 1e-30).all(), f"max err {err.max():.3e}"
+
+
+def test_index_scores_pages_path_refusals():
+    """What the page-block path cannot read is refused by name when asked for; the default then
+    takes the gather path."""
+    gen = _gen("pages-refusals")
+    page_table, req_ids, positions, page = _paged_step(gen, page=16)
+    q8, w = _fp8_queries(torch.randn(5, 2, 32, generator=gen), torch.randn(5, 2, generator=gen))
+    cache, key_scale, _ = _keys(gen, 40 * page, 32, "fp8-row")
+    args = _dev(q8, w, cache, key_scale, page_table, req_ids, positions)
+    for why, call in (
+        ("page size 8", lambda: scores_mod.index_scores_triton(*args, 8, path="pages")),
+        ("Di = 48", lambda: scores_mod.index_scores_triton(q8[:, :, :24].repeat(1, 1, 2).to(DEVICE), *args[1:2],
+                                                           cache[:, :24].repeat(1, 2).to(DEVICE), *args[3:], page,
+                                                           path="pages")),
+        ("sharded cache", lambda: scores_mod.index_scores_triton(*args, page, path="pages", shard=(2, 0, 1))),
+        ("queries torch.bfloat16 over keys torch.float8_e4m3fn",
+         lambda: scores_mod.index_scores_triton(q8.float().bfloat16().to(DEVICE), *args[1:], page, path="pages")),
+        ("rows not contiguous", lambda: scores_mod.index_scores_triton(
+            args[0], args[1], torch.cat([cache, cache], 1).to(DEVICE)[:, 1:33], *args[3:], page, path="pages")),
+    ):
+        with pytest.raises(ValueError, match=why):
+            call()
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        scores_mod.index_scores_triton(*args, page, path="pages", block_c=24)
+    with pytest.raises(ValueError, match="path must be"):
+        scores_mod.index_scores_triton(*args, page, path="tma")
+
+
 def test_fp8_queries_need_fp8_keys():
     q, w, cache = torch.randn(2, 4, 32), torch.randn(2, 4), torch.randn(32, 32)
     pt, req, pos = torch.zeros(1, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)

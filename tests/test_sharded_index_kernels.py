@@ -89,6 +89,44 @@ def test_sharded_scores_are_the_replicated_scores_of_owned_candidates(keys, n, i
         assert torch.isfinite(ref[owned]).any()
 
 
+@pytest.mark.parametrize("keys", ["bf16", "fp8-row"])
+@pytest.mark.parametrize("n, interleave", [(2, 1), (4, 1), (2, 16)])
+def test_sharded_scores_at_the_defaults_are_the_replicated_scores(keys, n, interleave):
+    """Each cache at the launcher's defaults (no ``block_c``): owned scores equal bit for bit. FP8
+    keys with E4M3 queries, as the models run them; the GPU runs model-sized pages."""
+    gen = torch.Generator().manual_seed(n * 5 + interleave + len(keys))
+    page, Hi, Di, R, pages = (64, 32, 128, 4, 64) if DEVICE == "cuda" else (16, 4, 32, 3, 6)
+    pages_total = R * pages + 3
+    page_table = torch.randperm(pages_total, generator=gen)[: R * pages].view(R, pages).to(torch.int32)
+    page_table[1, 2] = -1
+    req_ids = torch.tensor([1, 0, 2, 0, 1, -1])
+    C = pages * page
+    positions = torch.tensor([C - 1, C // 2, C + 5, C - 1, 7, 3])
+    T, S = req_ids.shape[0], pages_total * page
+    q, w = torch.randn((T, Hi, Di), generator=gen).bfloat16(), torch.randn((T, Hi), generator=gen) * Hi**-0.5
+    real = torch.randn((S, Di), generator=gen)
+    scale = None
+    if keys == "fp8-row":
+        scale = (real.abs().amax(dim=1) / 448.0).float()
+        cache = (real / scale[:, None]).to(torch.float8_e4m3fn)
+        q_scale = q.float().abs().amax(dim=2, keepdim=True) / 448.0
+        q, w = (q.float() / q_scale).to(torch.float8_e4m3fn), w * q_scale[..., 0]
+    else:
+        cache = real.bfloat16()
+    args = (page_table, req_ids, positions, page)
+    whole = scores_mod.index_scores_triton(*_dev(q, w, cache, scale, *args)).cpu()
+    cand = scores_mod.candidate_slots(page_table, req_ids, page)
+    for rank in range(n):
+        local = _shard(cache.view(torch.uint8) if scale is not None else cache, n, rank, interleave)
+        local = local.view(torch.float8_e4m3fn) if scale is not None else local
+        local_scale = _shard(scale[:, None], n, rank, interleave)[:, 0].contiguous() if scale is not None else None
+        got = scores_mod.index_scores_triton(*_dev(q, w, local, local_scale, *args), shard=(n, rank, interleave)).cpu()
+        owned = (cand >= 0) & (owner(cand.clamp(min=0), n, interleave) == rank)
+        assert torch.isneginf(got[~owned]).all()
+        assert torch.isfinite(got[owned]).sum() > 8
+        assert torch.equal(got[owned], whole[owned])
+
+
 def test_sharded_scores_refuse_a_bad_shard():
     gen = torch.Generator().manual_seed(0)
     page_table, req_ids, positions, page = _step(gen)

@@ -15,7 +15,9 @@ before it is timed. Parts (``--only``):
   input copy is counted; ``--inductor dynamic`` compiles once for all shapes, ``static`` once a
   shape). B in {1, 8, 32, 128}, contexts {4K, 32K, 128K}, bf16 and FP8 keys (per-row fp32
   scales; with FP8 keys the queries are E4M3 too, as the reference models quantize them),
-  Hi in {32, 64}, Di = 128, page size 64, K = 2048. Ours is also timed in its two parts.
+  Hi in {32, 64}, Di = 128, page size 64, K = 2048. Ours is also timed in its two parts, the
+  scores by each path of ``index_scores`` beside its default (``gather_us``, ``pages_us``: keys
+  read a row or a page at a time), and the keys' bytes alone at copy bandwidth (``key_floor_us``).
   Where one call's keys fit twice in L2, the graph rotates over disjoint page tables so every
   call reads keys from HBM.
 - ``topk``: ``topk_select_triton`` alone (its default, and each path forced: ``resident``, one
@@ -29,7 +31,7 @@ before it is timed. Parts (``--only``):
 - ``remap``: the fused top-k + remap (N = 2, rank 0) against the top-k alone and against the
   top-k followed by ``topk_remap_triton``.
 - ``tiles`` (only when asked for): ``index_scores`` at B = 32, 32K for every tile candidate
-  (``block_c`` x warps x stages), to choose the launcher's defaults.
+  (path x ``block_c`` x warps x stages), to choose the launcher's defaults.
 
 Bytes (the least a call must move) and the achieved GB/s stand beside each time: for the indexer
 the keys (and their scales) of the valid candidates, the queries and weights, the fp32 scores
@@ -106,7 +108,7 @@ class IndexerCase:
         self.b, self.ctx, self.keys, self.hi = b, ctx, keys, hi
         self.cache, self.key_scale = cache.get(keys)
         pages = ctx // PAGE
-        key_bytes = b * ctx * (DI * self.cache.element_size() + (4 if keys == "fp8" else 0))
+        self.key_bytes = key_bytes = b * ctx * (DI * self.cache.element_size() + (4 if keys == "fp8" else 0))
         self.views = max(1, min(64, math.ceil(2 * L2_BYTES / key_bytes), cache.slots // (b * ctx)))
         perm = torch.randperm(cache.slots // PAGE, device="cuda")[: self.views * b * pages]
         self.page_tables = list(perm.view(self.views, b, pages).int())
@@ -122,10 +124,10 @@ class IndexerCase:
     def args(self, view: int = 0):
         return (self.q, self.w, self.cache, self.key_scale, self.page_tables[view], self.req_ids, self.positions, PAGE)
 
-    def scores(self, view: int = 0):
+    def scores(self, view: int = 0, path: str | None = None):
         from dsa_dcp.kernels import index_scores_triton
 
-        return index_scores_triton(*self.args(view))
+        return index_scores_triton(*self.args(view), path=path)
 
     def ours(self, view: int = 0):
         from dsa_dcp.kernels import topk_select_triton
@@ -191,6 +193,19 @@ def bench_indexer(batches, contexts, keys, heads, inductor_mode: str, copy_bw: f
         row["scores_us"] = in_graph_us([lambda v=v: case.scores(v) for v in range(case.views)]
                                        * max(1, GRAPH_CALLS // case.views), REP)  # fmt: skip
         scores = case.scores()
+        fin = torch.isfinite(scores)
+        for path in ("gather", "pages"):
+            try:
+                other = case.scores(path=path)
+            except ValueError:  # the pages path cannot read these keys
+                continue
+            assert torch.equal(fin, torch.isfinite(other)) and (
+                (other - scores)[fin].abs().max() <= 1e-5 * scores[fin].abs().max()), f"{path} and default scores differ"
+            del other
+            row[f"{path}_us"] = in_graph_us([lambda v=v: case.scores(v, path) for v in range(case.views)]
+                                            * max(1, GRAPH_CALLS // case.views), REP)  # fmt: skip
+        row["key_floor_us"] = case.key_bytes / copy_bw / 1e3
+        row["scores_over_key_floor"] = row["scores_us"] / row["key_floor_us"]
         row["topk_us"] = in_graph_us([lambda: topk_select_triton(scores, K, case.page_tables[0], case.req_ids, PAGE)]
                                      * GRAPH_CALLS, REP)  # fmt: skip
         row["ours_GBps"] = case.bytes / row["ours_us"] / 1e3
@@ -269,7 +284,9 @@ def bench_remap(batches, contexts, out: list, n: int = 2) -> None:
         out.append(row)
 
 
-SCORE_TILES = [dict(block_c=bc, num_warps=wp, num_stages=st) for bc in (32, 64, 128) for wp in (4, 8) for st in (2, 3, 4)]
+SCORE_TILES = [dict(path=path, block_c=bc, num_warps=wp, num_stages=st)
+               for path, tiles in (("gather", (32, 64, 128)), ("pages", (64, 128, 256)))
+               for bc in tiles for wp in (4, 8) for st in (2, 3, 4)]  # fmt: skip
 
 
 def bench_score_tiles(keys, heads, out: list, b: int = 32, ctx: int = 32768) -> None:
@@ -295,7 +312,8 @@ def bench_score_tiles(keys, heads, out: list, b: int = 32, ctx: int = 32768) -> 
 
 
 COLUMNS = {
-    "indexer": ["keys", "Hi", "B", "ctx", "ours_us", "scores_us", "topk_us", "floor_us", "ours_over_floor",
+    "indexer": ["keys", "Hi", "B", "ctx", "ours_us", "scores_us", "gather_us", "pages_us", "key_floor_us", "scores_over_key_floor",
+                "topk_us", "floor_us", "ours_over_floor",
                 "ours_GBps", "torch_us", "inductor_us", "torch_over_ours", "inductor_over_ours"],
     "topk": ["B", "ctx", "ours_us", "resident_us", "row_us", "split_us", "split_chunks", "sampled_us",
              "sampled_split_us", "torch_us", "torch_over_ours",

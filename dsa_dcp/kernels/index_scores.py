@@ -24,7 +24,8 @@ req_ids[T], positions[T], page_size P) -> scores[T, C] float32`` with ``C = MP *
 where each rank holds the index keys of the slots it owns, :mod:`.topk_agree`)
     ``index_cache`` holds rank ``r``'s rows (``local_row(slot)``); a candidate is valid as above
     and owned by ``r``; every other candidate is ``-inf``. Owned scores are bit-identical to the
-    replicated cache's (the same arithmetic on the same shapes, with the same keys).
+    replicated cache's at the same ``block_c`` and by default (the same arithmetic on the same
+    tiles, with the same keys).
 
 Tolerance: the kernel sums the products on tensor cores (bf16/fp16 operands are exact in the fp32
 products, FP8 keys are widened exactly) in another order than the reference;
@@ -40,6 +41,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsa_dcp.slots import local_row, owner
 
@@ -161,6 +163,24 @@ def index_scores_reference(
 
 
 @triton.jit
+def _store_scores(s, w, in_h, H, valid, slot, ks_ptr, scale, q_prescale, out_ptrs, out_mask,
+                  KEY_SCALE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A tile's epilogue, ``s`` its ``[candidates, heads]`` products: the key scale, relu, the head
+    weights, the sum over heads, ``-inf`` where invalid, stored."""
+    if KEY_SCALE == 1:
+        s = s * scale
+    elif KEY_SCALE == 2:
+        row_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0).to(tl.float32) / q_prescale
+        s = s * row_scale[:, None]
+    # relu that keeps NaN (max(NaN, 0) may give 0); padding heads add exact zeros
+    contrib = tl.where(s < 0.0, 0.0, s) * w[None, :]
+    if BLOCK_H != H:
+        contrib = tl.where(in_h[None, :], contrib, 0.0)
+    score = tl.sum(contrib, axis=1)
+    tl.store(out_ptrs, tl.where(valid, score, float("-inf")), mask=out_mask)
+
+
+@triton.jit
 def _index_scores_kernel(
     q_ptr,
     w_ptr,
@@ -249,17 +269,80 @@ def _index_scores_kernel(
             s = tl.dot(k, q_t, max_num_imprecise_acc=16)
         else:
             s = tl.dot(k.to(DOT_DTYPE), q_t)
-        if KEY_SCALE == 1:
-            s = s * scale
-        elif KEY_SCALE == 2:
-            row_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0).to(tl.float32) / q_prescale
-            s = s * row_scale[:, None]
-        # relu that keeps NaN (max(NaN, 0) may give 0); padding heads add exact zeros
-        contrib = tl.where(s < 0.0, 0.0, s) * w[None, :]
-        if BLOCK_H != H:
-            contrib = tl.where(in_h[None, :], contrib, 0.0)
-        score = tl.sum(contrib, axis=1)
-        tl.store(out_ptr + t * stride_ot + offs_c, tl.where(valid, score, float("-inf")), mask=offs_c < c_hi)
+        _store_scores(s, w, in_h, H, valid, slot, ks_ptr, scale, q_prescale, out_ptr + t * stride_ot + offs_c,
+                      offs_c < c_hi, KEY_SCALE, BLOCK_H)
+
+
+
+@triton.jit
+def _index_scores_pages_kernel(
+    q_ptr,
+    w_ptr,
+    k_desc,
+    ks_ptr,
+    pt_ptr,
+    req_ptr,
+    pos_ptr,
+    out_ptr,
+    H,
+    C,
+    S,
+    R,
+    SPAN,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_pt,
+    stride_ot,
+    PAGE: tl.constexpr,
+    PAGES: tl.constexpr,
+    KEY_SCALE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The gather kernel's contract and grid for the replicated cache, the keys read a page at a
+    time: a page's ``[PAGE, Di]`` rows are one block copy through ``k_desc`` (the tensor memory
+    accelerator on Hopper: no per-row addresses in registers), PAGES pages a step. A negative
+    page, or one past the cache, reads zeros (the copy's bounds) and scores ``-inf``. Each
+    candidate's products and epilogue are the gather kernel's."""
+    t = tl.program_id(0).to(tl.int64)
+    c_lo = tl.program_id(1) * SPAN
+    c_hi = tl.minimum(c_lo + SPAN, C)
+    req = tl.load(req_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_h = offs_h < H
+    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=in_h[:, None], other=0.0)
+    if UPCAST:
+        q_t = tl.trans(q.to(tl.float32))
+    else:
+        q_t = tl.trans(q)
+    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=in_h, other=0.0).to(tl.float32)
+    scale = 1.0
+    if KEY_SCALE == 1:
+        scale = tl.load(ks_ptr).to(tl.float32)
+    known = (req >= 0) & (req < R)
+    page_row = pt_ptr + tl.minimum(tl.maximum(req, 0), R - 1) * stride_pt
+    for c0 in range(c_lo, c_hi, PAGE * PAGES):
+        for i in tl.static_range(PAGES):
+            cp = c0 + i * PAGE  # a page's first candidate (spans are whole pages)
+            page = tl.load(page_row + tl.minimum(cp, c_hi - 1) // PAGE).to(tl.int64)
+            page = tl.where(known & (cp < c_hi), page, -1)
+            k = k_desc.load([(tl.maximum(page, 0) * PAGE).to(tl.int32), 0])
+            if UPCAST:
+                s = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
+            elif FP8_DOT:  # as the gather kernel
+                s = tl.dot(k, q_t, max_num_imprecise_acc=16)
+            else:
+                s = tl.dot(k, q_t)
+            offs_c = cp + tl.arange(0, PAGE)
+            slot = page * PAGE + tl.arange(0, PAGE)  # a negative page: every slot negative
+            valid = (offs_c < c_hi) & (offs_c <= pos) & (slot >= 0) & (slot < S)
+            _store_scores(s, w, in_h, H, valid, slot, ks_ptr, scale, 1.0, out_ptr + t * stride_ot + offs_c,
+                          offs_c < c_hi, KEY_SCALE, BLOCK_H)
 
 
 def _score_dot(q_dtype: torch.dtype, key_dtype: torch.dtype, interpreted: bool) -> tuple:
@@ -291,6 +374,36 @@ def _default_span(T: int, C: int, block_c: int, device: torch.device) -> int:
     return per_program * block_c
 
 
+def _page_tile_misfit(q: torch.Tensor, key_dtype: torch.dtype, D: int, page_size: int) -> str | None:
+    """Why these keys cannot be scored a page a tile (``None``: they can): that needs E4M3 queries
+    over FP8 keys or queries of the keys' bf16/fp16 dtype, a page of 16-256 candidates and Di of
+    32-256 (powers of two: a page is one block copy)."""
+    if not (q.dtype in FP8_KEY_DTYPES or (q.dtype == key_dtype and q.dtype in (torch.bfloat16, torch.float16))):
+        return f"queries {q.dtype} over keys {key_dtype} (needs E4M3 over FP8 keys, or the keys' bf16/fp16)"
+    if page_size & (page_size - 1) or not 16 <= page_size <= 256:
+        return f"page size {page_size} (needs a power of two in [16, 256])"
+    if D & (D - 1) or not 32 <= D <= 256:
+        return f"Di = {D} (needs a power of two in [32, 256])"
+    return None
+
+
+def _pages_misfit(q, index_cache, page_size: int, shard) -> str | None:
+    """Why the pages kernel cannot read these keys (``None``: it can): the replicated cache (a
+    sharded rank's rows of a page hold only its owned candidates), keys it can score a page a tile
+    (:func:`_page_tile_misfit`), rows contiguous and 16-byte aligned, fewer than 2^31 of them."""
+    if shard is not None:
+        return "the sharded cache (a rank's rows of a page hold only the candidates it owns)"
+    D, item = index_cache.shape[1], index_cache.element_size()
+    why = _page_tile_misfit(q, index_cache.dtype, D, page_size)
+    if why:
+        return why
+    if index_cache.stride(1) != 1 or (index_cache.stride(0) * item) % 16 or index_cache.data_ptr() % 16:
+        return "index_cache rows not contiguous and 16-byte aligned"
+    if index_cache.shape[0] >= 2**31:
+        return f"{index_cache.shape[0]} slots (block copies address fewer than 2^31 rows)"
+    return None
+
+
 def index_scores_triton(
     q: torch.Tensor,
     w: torch.Tensor,
@@ -301,6 +414,7 @@ def index_scores_triton(
     positions: torch.Tensor,
     page_size: int,
     *,
+    path: str | None = None,
     block_c: int | None = None,
     span: int | None = None,
     num_warps: int | None = None,
@@ -310,8 +424,12 @@ def index_scores_triton(
     """Triton paged indexer scores (see module docstring); grid (T, ceil(C / span)).
 
     Reads the keys straight from the paged cache: no gathered copy, no fp32 keys, one pass.
-    ``block_c`` candidates a tile (a power of two >= 16), ``span`` candidates a program (a
-    multiple of ``block_c``). Any Hi and Di (padded to powers of two >= 16). No host sync.
+    ``path``: ``"gather"`` (each candidate's key row loaded through its slot; any shape, the
+    sharded cache) or ``"pages"`` (a page's rows one block copy; see :func:`_pages_misfit` for
+    what it needs); default ``"gather"``.
+    ``block_c`` candidates a tile (a power of two >= 16; for ``"pages"`` a multiple of the page
+    size, the candidates of a step), ``span`` candidates a program (a multiple of ``block_c``). Any Hi and Di (padded to
+    powers of two >= 16). No host sync.
     ``shard = (N, r, I)``: the sharded form (see :func:`index_scores_reference`); only the owned
     candidates' keys are read.
     """
@@ -324,6 +442,8 @@ def index_scores_triton(
             raise ValueError(f"{_SCORES}: {name} dtype must be one of {list(TRITON_FLOAT_DTYPES)}, got {t.dtype}")
     if index_cache.dtype not in TRITON_FLOAT_DTYPES + FP8_KEY_DTYPES:
         raise ValueError(f"{_SCORES}: index_cache dtype {index_cache.dtype} is not supported")
+    if path not in (None, "gather", "pages"):
+        raise ValueError(f"{_SCORES}: path must be 'gather' or 'pages', got {path!r}")
     T, H, D = q.shape
     C = page_table.shape[1] * page_size
     out = torch.empty((T, C), dtype=torch.float32, device=q.device)
@@ -333,27 +453,46 @@ def index_scores_triton(
         valid = _valid_mask(page_table, req_ids, positions, page_size, shard)
         return out.fill_(0.0).masked_fill_(~valid, float("-inf"))
     check_launchable(_index_scores_kernel, q, w, index_cache, page_table)
-    fp8_dot = q.dtype in FP8_KEY_DTYPES and not is_interpreted(_index_scores_kernel)
-    bc = block_c or (16 if q.device.type != "cuda" else 128 if fp8_dot else 64)  # H200 sweeps (docs/benchmarks.md)
-    if bc < 16 or bc & (bc - 1):
-        raise ValueError(f"{_SCORES}: block_c must be a power of two >= 16, got {bc}")
+    misfit = _pages_misfit(q, index_cache, page_size, shard)
+    if path == "pages" and misfit:
+        raise ValueError(f"{_SCORES}: the pages path cannot read these keys: {misfit}")
+    pages = path == "pages"
+    interpreted = is_interpreted(_index_scores_kernel)
+    fp8_dot = q.dtype in FP8_KEY_DTYPES and not interpreted
+    if pages:  # H100 sweep (docs/benchmarks.md): two 64-candidate pages a step for FP8 keys, one for bf16
+        bc = block_c or max(page_size, 128 if fp8_dot else 64)
+    else:
+        bc = block_c or (16 if q.device.type != "cuda" else 128 if fp8_dot else 64)  # H200 sweeps (docs/benchmarks.md)
+    if bc < 16 or bc & (bc - 1) or (pages and bc % page_size):
+        raise ValueError(f"{_SCORES}: block_c must be a power of two >= 16{' and a multiple of the page size' if pages else ''}, got {bc}")
     sp = span or _default_span(T, C, bc, q.device)
     if sp < bc or sp % bc:
         raise ValueError(f"{_SCORES}: span must be a positive multiple of block_c = {bc}, got {sp}")
-    dot_dtype, dot_ieee, prescale = _score_dot(q.dtype, index_cache.dtype, is_interpreted(_index_scores_kernel))
     key_scale_mode = 0 if key_scale is None else (2 if key_scale.dim() == 1 and key_scale.shape[0] > 1 else 1)
     q = last_dim_contiguous(q)
     w = last_dim_contiguous(w)
-    index_cache = last_dim_contiguous(index_cache)
     page_table = last_dim_contiguous(page_table)
     ks = key_scale.reshape(-1) if key_scale is not None else w  # a placeholder pointer when unused
+    block_h = max(16, next_pow2(H))
+    if pages:
+        desc = TensorDescriptor(index_cache, list(index_cache.shape), list(index_cache.stride()), [page_size, D])
+        _index_scores_pages_kernel[(T, cdiv(C, sp))](
+            q, w, desc, ks, page_table, req_ids.contiguous(), positions.contiguous(), out,
+            H, C, index_cache.shape[0], page_table.shape[0], sp,
+            q.stride(0), q.stride(1), w.stride(0), page_table.stride(0), out.stride(0),
+            PAGE=page_size, PAGES=bc // page_size, KEY_SCALE=key_scale_mode, BLOCK_H=block_h, BLOCK_D=D,
+            FP8_DOT=fp8_dot, UPCAST=interpreted, num_warps=num_warps or 4, num_stages=num_stages or 3,
+        )  # fmt: skip
+        return out
+    dot_dtype, dot_ieee, prescale = _score_dot(q.dtype, index_cache.dtype, interpreted)
+    index_cache = last_dim_contiguous(index_cache)
     _index_scores_kernel[(T, cdiv(C, sp))](
         q, w, index_cache, ks, page_table, req_ids.contiguous(), positions.contiguous(), out,
         H, D, C, index_cache.shape[0], page_table.shape[0], sp, prescale,
         q.stride(0), q.stride(1), w.stride(0), index_cache.stride(0), page_table.stride(0), out.stride(0), rank,
         PAGE=page_size, DCP_SIZE=dcp_size, INTERLEAVE=interleave, KEY_SCALE=key_scale_mode, Q_PRESCALE=prescale != 1.0, BLOCK_C=bc,
-        BLOCK_H=max(16, next_pow2(H)), BLOCK_D=max(32 if fp8_dot else 16, next_pow2(D)),  # E4M3 products: k >= 32
-        DOT_DTYPE=dot_dtype, DOT_IEEE=dot_ieee, UPCAST=is_interpreted(_index_scores_kernel), FP8_DOT=fp8_dot,
+        BLOCK_H=block_h, BLOCK_D=max(32 if fp8_dot else 16, next_pow2(D)),  # E4M3 products: k >= 32
+        DOT_DTYPE=dot_dtype, DOT_IEEE=dot_ieee, UPCAST=interpreted, FP8_DOT=fp8_dot,
         num_warps=num_warps or 4, num_stages=num_stages or 2,
     )  # fmt: skip
     return out
