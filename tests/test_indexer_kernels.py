@@ -830,6 +830,10 @@ def test_index_scores_pages_path_refusals():
     ):
         with pytest.raises(ValueError, match=why):
             call()
+    halves = torch.stack([page_table * 2, page_table * 2 + 1], dim=2).flatten(1)  # the same slots in pages of 8
+    small_pages = _dev(q8, w, cache, key_scale, halves, req_ids, positions)
+    assert torch.equal(scores_mod.index_scores_triton(*small_pages, 8),
+                       scores_mod.index_scores_triton(*small_pages, 8, path="gather"))
     with pytest.raises(ValueError, match="multiple of the page size"):
         scores_mod.index_scores_triton(*args, page, path="pages", block_c=24)
     with pytest.raises(ValueError, match="path must be"):
