@@ -162,7 +162,8 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return (found & valid).sum().item() / max(valid.sum().item(), 1)
 
 
-def bench_indexer(batches, contexts, keys, heads, inductor_mode: str, copy_bw: float, out: list) -> None:
+def bench_indexer(batches, contexts, keys, heads, inductor_mode: str, copy_bw: float, out: list,
+                  after_row=lambda: None) -> None:
     max_slots = max(batches) * max(contexts)
     cache = KeyCache(max_slots)
     compiled = {}
@@ -222,6 +223,7 @@ def bench_indexer(batches, contexts, keys, heads, inductor_mode: str, copy_bw: f
                 row[f"{name}_us"] = None
             torch.cuda.empty_cache()
         out.append(row)
+        after_row()
         print(f"# indexer {kd} Hi={hi} B={b} ctx={ctx}: ours {row['ours_us']:.1f} us", file=sys.stderr)
     del cache
     torch.cuda.empty_cache()
@@ -343,7 +345,7 @@ def main(args) -> int:
     bw = copy_GBps()
 
     def save():
-        if args.json:  # after each part, so a run stopped by a time limit keeps what it measured
+        if args.json:  # after each row or part, so a run stopped by a time limit keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "versions": versions(), "copy_GBps": bw,
                            "rows": rows}, f, indent=1)  # fmt: skip
@@ -355,7 +357,7 @@ def main(args) -> int:
         bench_remap(args.batches, args.contexts, rows)
         save()
     if "indexer" in only:
-        bench_indexer(args.batches, args.contexts, args.keys, args.heads, args.inductor, bw, rows)
+        bench_indexer(args.batches, args.contexts, args.keys, args.heads, args.inductor, bw, rows, after_row=save)
         save()
     if "tiles" in only:
         bench_score_tiles(args.keys, args.heads, rows)
