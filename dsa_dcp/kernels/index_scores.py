@@ -273,7 +273,6 @@ def _index_scores_kernel(
                       offs_c < c_hi, KEY_SCALE, BLOCK_H)
 
 
-
 @triton.jit
 def _index_scores_pages_kernel(
     q_ptr,
@@ -374,29 +373,20 @@ def _default_span(T: int, C: int, block_c: int, device: torch.device) -> int:
     return per_program * block_c
 
 
-def _page_tile_misfit(q: torch.Tensor, key_dtype: torch.dtype, D: int, page_size: int) -> str | None:
-    """Why these keys cannot be scored a page a tile (``None``: they can): that needs E4M3 queries
-    over FP8 keys or queries of the keys' bf16/fp16 dtype, a page of 16-256 candidates and Di of
-    32-256 (powers of two: a page is one block copy)."""
-    if not (q.dtype in FP8_KEY_DTYPES or (q.dtype == key_dtype and q.dtype in (torch.bfloat16, torch.float16))):
-        return f"queries {q.dtype} over keys {key_dtype} (needs E4M3 over FP8 keys, or the keys' bf16/fp16)"
+def _pages_misfit(q, index_cache, page_size: int, shard) -> str | None:
+    """Why the pages kernel cannot read these keys (``None``: it can). It needs the replicated cache
+    (a sharded rank's rows of a page hold only its owned candidates), E4M3 queries over FP8 keys or
+    queries of the keys' bf16/fp16 dtype, a page of 16-256 candidates and Di of 32-256 (powers of
+    two: a page is one block copy), rows contiguous and 16-byte aligned, fewer than 2^31 of them."""
+    D, item = index_cache.shape[1], index_cache.element_size()
+    if shard is not None:
+        return "the sharded cache (a rank's rows of a page hold only the candidates it owns)"
+    if not (q.dtype in FP8_KEY_DTYPES or (q.dtype == index_cache.dtype and q.dtype in (torch.bfloat16, torch.float16))):
+        return f"queries {q.dtype} over keys {index_cache.dtype} (needs E4M3 over FP8 keys, or the keys' bf16/fp16)"
     if page_size & (page_size - 1) or not 16 <= page_size <= 256:
         return f"page size {page_size} (needs a power of two in [16, 256])"
     if D & (D - 1) or not 32 <= D <= 256:
         return f"Di = {D} (needs a power of two in [32, 256])"
-    return None
-
-
-def _pages_misfit(q, index_cache, page_size: int, shard) -> str | None:
-    """Why the pages kernel cannot read these keys (``None``: it can): the replicated cache (a
-    sharded rank's rows of a page hold only its owned candidates), keys it can score a page a tile
-    (:func:`_page_tile_misfit`), rows contiguous and 16-byte aligned, fewer than 2^31 of them."""
-    if shard is not None:
-        return "the sharded cache (a rank's rows of a page hold only the candidates it owns)"
-    D, item = index_cache.shape[1], index_cache.element_size()
-    why = _page_tile_misfit(q, index_cache.dtype, D, page_size)
-    if why:
-        return why
     if index_cache.stride(1) != 1 or (index_cache.stride(0) * item) % 16 or index_cache.data_ptr() % 16:
         return "index_cache rows not contiguous and 16-byte aligned"
     if index_cache.shape[0] >= 2**31:
@@ -428,8 +418,8 @@ def index_scores_triton(
     sharded cache) or ``"pages"`` (a page's rows one block copy; see :func:`_pages_misfit` for
     what it needs); default ``"gather"``.
     ``block_c`` candidates a tile (a power of two >= 16; for ``"pages"`` a multiple of the page
-    size, the candidates of a step), ``span`` candidates a program (a multiple of ``block_c``). Any Hi and Di (padded to
-    powers of two >= 16). No host sync.
+    size, the candidates of a step), ``span`` candidates a program (a multiple of ``block_c``).
+    Any Hi and Di (padded to powers of two >= 16). No host sync.
     ``shard = (N, r, I)``: the sharded form (see :func:`index_scores_reference`); only the owned
     candidates' keys are read.
     """
@@ -453,10 +443,9 @@ def index_scores_triton(
         valid = _valid_mask(page_table, req_ids, positions, page_size, shard)
         return out.fill_(0.0).masked_fill_(~valid, float("-inf"))
     check_launchable(_index_scores_kernel, q, w, index_cache, page_table)
-    misfit = _pages_misfit(q, index_cache, page_size, shard)
-    if path == "pages" and misfit:
-        raise ValueError(f"{_SCORES}: the pages path cannot read these keys: {misfit}")
     pages = path == "pages"
+    if pages and (misfit := _pages_misfit(q, index_cache, page_size, shard)):
+        raise ValueError(f"{_SCORES}: the pages path cannot read these keys: {misfit}")
     interpreted = is_interpreted(_index_scores_kernel)
     fp8_dot = q.dtype in FP8_KEY_DTYPES and not interpreted
     if pages:  # H100 sweep (docs/benchmarks.md): two 64-candidate pages a step for FP8 keys, one for bf16
