@@ -55,6 +55,14 @@ def _shard(cache, n, rank, interleave):
     return local
 
 
+def _rank_keys(cache, scale, n, rank, interleave):
+    """Rank ``rank``'s index keys and per-row scales (``None`` when ``scale`` is)."""
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    local = _shard(cache.view(torch.uint8) if fp8 else cache, n, rank, interleave)
+    local = local.view(torch.float8_e4m3fn) if fp8 else local
+    return local, (_shard(scale[:, None], n, rank, interleave)[:, 0].contiguous() if scale is not None else None)
+
+
 @pytest.mark.parametrize("keys", ["fp32", "bf16", "fp8-row"])
 @pytest.mark.parametrize("n, interleave", [(2, 1), (3, 2)])
 def test_sharded_scores_are_the_replicated_scores_of_owned_candidates(keys, n, interleave):
@@ -76,9 +84,7 @@ def test_sharded_scores_are_the_replicated_scores_of_owned_candidates(keys, n, i
     whole_tri = scores_mod.index_scores_triton(*_dev(q, w, cache, scale, *args), block_c=16, span=32)
     cand = scores_mod.candidate_slots(page_table, req_ids, page)
     for rank in range(n):
-        local = _shard(cache.view(torch.uint8) if keys == "fp8-row" else cache, n, rank, interleave)
-        local = local.view(torch.float8_e4m3fn) if keys == "fp8-row" else local
-        local_scale = _shard(scale[:, None], n, rank, interleave)[:, 0].contiguous() if scale is not None else None
+        local, local_scale = _rank_keys(cache, scale, n, rank, interleave)
         shard = (n, rank, interleave)
         ref = scores_mod.index_scores_reference(*_dev(q, w, local, local_scale, *args), shard=shard).cpu()
         tri = scores_mod.index_scores_triton(*_dev(q, w, local, local_scale, *args), block_c=16, span=32, shard=shard).cpu()
@@ -117,9 +123,7 @@ def test_sharded_scores_at_the_defaults_are_the_replicated_scores(keys, n, inter
     whole = scores_mod.index_scores_triton(*_dev(q, w, cache, scale, *args)).cpu()
     cand = scores_mod.candidate_slots(page_table, req_ids, page)
     for rank in range(n):
-        local = _shard(cache.view(torch.uint8) if scale is not None else cache, n, rank, interleave)
-        local = local.view(torch.float8_e4m3fn) if scale is not None else local
-        local_scale = _shard(scale[:, None], n, rank, interleave)[:, 0].contiguous() if scale is not None else None
+        local, local_scale = _rank_keys(cache, scale, n, rank, interleave)
         got = scores_mod.index_scores_triton(*_dev(q, w, local, local_scale, *args), shard=(n, rank, interleave)).cpu()
         owned = (cand >= 0) & (owner(cand.clamp(min=0), n, interleave) == rank)
         assert torch.isneginf(got[~owned]).all()
