@@ -15,6 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dataclasses  # noqa: E402
 import importlib  # noqa: E402
+import itertools  # noqa: E402
 import zlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -470,16 +471,15 @@ def test_topk_select_default_plan(monkeypatch, T, C, want):
     assert cpu == ("resident" if C <= select_mod.RESIDENT_MAX else "sampled", 1)
 
 
-@pytest.mark.parametrize("finish_in_segments", [True, False])
-def test_topk_select_sampled_routes(monkeypatch, finish_in_segments):
+def test_topk_select_sampled_routes(monkeypatch):
     """The sampled path selects each row from its buffer when the sample's threshold is safe and
     the buffer holds the candidates above it (the small buffer or the large one), and by the
     tiled passes otherwise (ties past the buffer, NaN past it, a threshold set above the k-th
     best); every route gives the references' answer, as positions, as slots and fused with the
     remap on every rank, by one program a row and with the row split over three programs (the
     same routes: the same threshold and count), also with the threshold's search stopped early;
-    the split rows selected by their last chunk to finish and by a launch of their own."""
-    monkeypatch.setattr(select_mod, "FINISH_IN_SEGMENTS_PER_SM", 1 << 20 if finish_in_segments else 0)
+    the split rows selected by their last chunk to finish and by a launch of their own (each split
+    launch runs both ways; one program a row has no finish)."""
     gen = _gen("sampled")
     monkeypatch.setattr(select_mod, "SAMPLE_EVERY", 2)  # a sample of 128: thresholds near the k-th best
     T, C, k, page = 8, 256, 12, 16
@@ -497,13 +497,22 @@ def test_topk_select_sampled_routes(monkeypatch, finish_in_segments):
     req_ids[7] = -1
     scores, page_table, req_ids = _dev(scores, page_table, req_ids)
 
+    def finishes(chunks):  # the split rows selected in the segment launch, then in a third launch
+        return (1 << 20, 0) if chunks > 1 else (select_mod.FINISH_IN_SEGMENTS_PER_SM,)
+
     def select(sigmas, chunks, pt_args=(None, None)):
         monkeypatch.setattr(select_mod, "SAMPLE_SIGMAS", sigmas)
-        route = torch.full((T,), -1, dtype=torch.int32, device=DEVICE)
-        got, _ = select_mod._launch_select(scores, k, *pt_args, page, None, path="sampled", route=route, block=32,
-                                           chunks=chunks)  # fmt: skip
-        assert torch.equal(got, select_mod.topk_select_reference(scores, k, *pt_args, page)), (sigmas, chunks)
-        return route.tolist()
+        want = select_mod.topk_select_reference(scores, k, *pt_args, page)
+        routes = []
+        for finish in finishes(chunks):
+            monkeypatch.setattr(select_mod, "FINISH_IN_SEGMENTS_PER_SM", finish)
+            route = torch.full((T,), -1, dtype=torch.int32, device=DEVICE)
+            got, _ = select_mod._launch_select(scores, k, *pt_args, page, None, path="sampled", route=route,
+                                               block=32, chunks=chunks)  # fmt: skip
+            assert torch.equal(got, want), (sigmas, chunks, finish)
+            routes.append(route.tolist())
+        assert all(r == routes[0] for r in routes), "the same routes however the split rows finish"
+        return routes[0]
 
     # -4: thresholds above the k-th best (too few candidates): the tiled passes
     routes = {(sigmas, chunks): select(sigmas, chunks) for sigmas in (5.0, 0.0, -4.0) for chunks in (1, 3)}
@@ -524,11 +533,12 @@ def test_topk_select_sampled_routes(monkeypatch, finish_in_segments):
         route = select(0.0, chunks, pt_args)
         assert route[:7] == routes[0.0, 1][:7] and route[7] == 0, route  # a row without a request: an empty buffer
         want = select_mod.topk_select_reference(scores, k, *pt_args, page)
-        for r in range(3):
+        for r, finish in itertools.product(range(3), finishes(chunks)):
+            monkeypatch.setattr(select_mod, "FINISH_IN_SEGMENTS_PER_SM", finish)
             local, count = select_mod.topk_select_remap_triton(scores, k, 3, r, 2, *pt_args, page, path="sampled",
                                                                block=32, chunks=chunks)  # fmt: skip
             want_local, want_count = remap_mod.topk_remap_reference(want, 3, r, 2)
-            assert torch.equal(local, want_local) and torch.equal(count, want_count), (chunks, r)
+            assert torch.equal(local, want_local) and torch.equal(count, want_count), (chunks, r, finish)
 
 
 class _Launches:
