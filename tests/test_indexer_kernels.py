@@ -5,13 +5,12 @@ On CPU the Triton kernels run under the interpreter at tiny shapes (every kernel
 top-k's three paths, resident row, tiled row and chunked passes, with and without the remap,
 bf16/fp32/FP8 keys, E4M3 queries over FP8 keys; the FP8 model's compiled step feeds
 ``index_scores`` E4M3 queries).
-On a GPU machine (``TRITON_INTERPRET=0``) the same cases run on CUDA tensors with the compiled
+On a GPU machine the same cases run on CUDA tensors with the compiled
 kernels, and the ``gpu``-marked cases check real sizes (B = 32, C = 32768, K = 2048).
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported where there is no GPU; on a
+# GPU machine the kernels compile and run on CUDA tensors (TRITON_INTERPRET=1 forces the interpreter).
 
 import dataclasses  # noqa: E402
 import importlib  # noqa: E402

@@ -1,13 +1,14 @@
 """Triton kernels vs their torch references vs independent fp64 brute force.
 
-On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set before the kernel
-modules are defined). On a GPU machine, run with TRITON_INTERPRET=0 to test the compiled kernels
-on CUDA tensors with the same cases.
+On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, which tests/conftest.py
+sets before the kernel modules are defined). On a GPU machine the same cases test the compiled
+kernels on CUDA tensors.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported where there is no GPU; on a
+# GPU machine the kernels compile and run on CUDA tensors (TRITON_INTERPRET=1 forces the interpreter).
 
 import math  # noqa: E402
 import subprocess  # noqa: E402

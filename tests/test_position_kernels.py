@@ -3,9 +3,8 @@
 rows, split K, views of a larger cache, NaN in a named row. On CPU they run under the Triton
 interpreter; on a GPU machine the same cases run compiled (``-m gpu`` selects the CUDA twins)."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported where there is no GPU; on a
+# GPU machine the kernels compile and run on CUDA tensors (TRITON_INTERPRET=1 forces the interpreter).
 
 import importlib  # noqa: E402
 import zlib  # noqa: E402

@@ -7,9 +7,8 @@ replicated cache's, bit for bit, at the candidates it owns (the same arithmetic 
 and ``-inf`` at every other. On CPU the kernels run under the Triton interpreter at tiny shapes.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported where there is no GPU; on a
+# GPU machine the kernels compile and run on CUDA tensors (TRITON_INTERPRET=1 forces the interpreter).
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
