@@ -9,28 +9,25 @@ On a GPU machine the same cases run on CUDA tensors with the compiled
 kernels, and the ``gpu``-marked cases check real sizes (B = 32, C = 32768, K = 2048).
 """
 
-# tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported where there is no GPU; on a
-# GPU machine the kernels compile and run on CUDA tensors (TRITON_INTERPRET=1 forces the interpreter).
+import dataclasses
+import importlib
+import itertools
+import zlib
 
-import dataclasses  # noqa: E402
-import importlib  # noqa: E402
-import itertools  # noqa: E402
-import zlib  # noqa: E402
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter
 
-from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter  # noqa: E402
-
-import dsa_dcp  # noqa: E402
-from dsa_dcp.kernels import index_scores as scores_mod  # noqa: E402
-from dsa_dcp.kernels import topk_remap as remap_mod  # noqa: E402
-from dsa_dcp.kernels import topk_select as select_mod  # noqa: E402
-from dsa_dcp.kernels.kv_store import quantize_rows  # noqa: E402
-from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch  # noqa: E402
-from dsa_dcp.ops import INDEX_SCORES  # noqa: E402
-from dsa_dcp.passes import fx as fx_facts  # noqa: E402
-from dsa_dcp.slots import owner  # noqa: E402
+import dsa_dcp
+from dsa_dcp.kernels import index_scores as scores_mod
+from dsa_dcp.kernels import topk_remap as remap_mod
+from dsa_dcp.kernels import topk_select as select_mod
+from dsa_dcp.kernels.kv_store import quantize_rows
+from dsa_dcp.models import DSAModel, generate, get_config, standard_test_batch
+from dsa_dcp.ops import INDEX_SCORES
+from dsa_dcp.passes import fx as fx_facts
+from dsa_dcp.slots import owner
 
 INF = float("inf")
 NAN = float("nan")

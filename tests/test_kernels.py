@@ -5,21 +5,17 @@ sets before the kernel modules are defined). On a GPU machine the same cases tes
 kernels on CUDA tensors.
 """
 
+import math
 import os
+import subprocess
+import sys
+import zlib
 
-# tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported where there is no GPU; on a
-# GPU machine the kernels compile and run on CUDA tensors (TRITON_INTERPRET=1 forces the interpreter).
+import pytest
+import torch
 
-import math  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import zlib  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import checks  # noqa: E402
-from triton_env import (  # noqa: E402
+import checks
+from triton_env import (
     DEVICE,
     NEEDS_FRESH_PROCESS,
     SKIP_REASON,

@@ -3,17 +3,14 @@
 rows, split K, views of a larger cache, NaN in a named row. On CPU they run under the Triton
 interpreter; on a GPU machine the same cases run compiled (``-m gpu`` selects the CUDA twins)."""
 
-# tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported where there is no GPU; on a
-# GPU machine the kernels compile and run on CUDA tensors (TRITON_INTERPRET=1 forces the interpreter).
+import importlib
+import zlib
 
-import importlib  # noqa: E402
-import zlib  # noqa: E402
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from dsa_dcp.ops_positions import sparse_mha_positions_reference, sparse_mla_positions_reference  # noqa: E402
-from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter  # noqa: E402
+from dsa_dcp.ops_positions import sparse_mha_positions_reference, sparse_mla_positions_reference
+from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter
 
 positions_mod = importlib.import_module("dsa_dcp.kernels.sparse_positions")
 

@@ -22,12 +22,8 @@ CPU, so shapes stay tiny). Profiles (``tests/conftest.py``): ``ci`` (default, de
 ``soak``: ``HYPOTHESIS_PROFILE=soak python -m pytest tests/test_properties.py``.
 """
 
-# tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported where there is no GPU; on a
-# GPU machine the kernels compile and run on CUDA tensors (TRITON_INTERPRET=1 forces the interpreter).
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402

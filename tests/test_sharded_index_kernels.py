@@ -7,18 +7,15 @@ replicated cache's, bit for bit, at the candidates it owns (the same arithmetic 
 and ``-inf`` at every other. On CPU the kernels run under the Triton interpreter at tiny shapes.
 """
 
-# tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported where there is no GPU; on a
-# GPU machine the kernels compile and run on CUDA tensors (TRITON_INTERPRET=1 forces the interpreter).
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter
 
-from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter  # noqa: E402
-
-from dsa_dcp.kernels import index_scores as scores_mod  # noqa: E402
-from dsa_dcp.kernels import topk_agree as agree_mod  # noqa: E402
-from dsa_dcp.kernels import topk_select as select_mod  # noqa: E402
-from dsa_dcp.slots import local_cache_rows, local_row, owner  # noqa: E402
+from dsa_dcp.kernels import index_scores as scores_mod
+from dsa_dcp.kernels import topk_agree as agree_mod
+from dsa_dcp.kernels import topk_select as select_mod
+from dsa_dcp.slots import local_cache_rows, local_row, owner
 
 
 @pytest.fixture(autouse=True)
