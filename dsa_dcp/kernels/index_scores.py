@@ -258,8 +258,9 @@ def _index_scores_kernel(
             keep, row = _owned(slot, DCP_SIZE, RANK, INTERLEAVE)
             valid = valid & keep
             slot = row
-        valid = valid & (slot < S)
-        slot = tl.where(valid, slot, 0)
+        valid = valid & (slot < S)  # invalid slots stay unclamped: every read of them is masked by `valid`
+        # (a clamp here, as a select or a product, fails Triton 3.6's layout pass for the sharded cache
+        # at interleave >= 16 with 64-candidate tiles: docs/kernels.md)
         k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=valid[:, None] & in_d[None, :], other=0.0)
         if UPCAST:
             s = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
