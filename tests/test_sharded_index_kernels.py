@@ -7,6 +7,11 @@ replicated cache's, bit for bit, at the candidates it owns (the same arithmetic 
 and ``-inf`` at every other. On CPU the kernels run under the Triton interpreter at tiny shapes.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -150,3 +155,16 @@ def test_topk_candidates_triton_matches_reference(k):
     sent = ref[..., 0].contiguous().view(torch.float32)
     want = torch.where(pos >= 0, scores.gather(1, pos.clamp(min=0).long()), torch.tensor(float("-inf")))
     assert torch.equal(sent.isnan(), want.isnan()) and torch.equal(sent[~sent.isnan()], want[~want.isnan()])
+
+
+def test_the_sharded_gather_compiles_for_hopper_without_a_gpu(tmp_path):
+    """tools/cross_compile.py compiles the gather kernel for sm_90 with the installed Triton, down
+    to ptxas: the sharded cache at I 16 with 64-candidate tiles, where a select on the slots once
+    failed Triton 3.6's layout pass (docs/kernels.md). A fresh Triton cache, so it compiles."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "tools/cross_compile.py", "--only", "N 2, I 16, block_c 64"], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert [line.split(":")[1].strip() for line in done.stdout.splitlines() if line.startswith("ok")] == [
+        "bf16 keys, N 2, I 16, block_c 64", "fp8 keys, N 2, I 16, block_c 64"], done.stdout
