@@ -13,15 +13,17 @@ it prints one line a case and exits 1 if any fails (docs/validation.md).
 """
 
 import argparse
+import os
 import sys
 
-import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+os.environ["TRITON_INTERPRET"] = "0"  # compile the kernels: interpreted ones have nothing to compile
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
-from dsa_dcp.kernels.index_scores import _index_scores_kernel
-from dsa_dcp.kernels.topk_remap import _topk_remap_kernel
+from dsa_dcp.kernels.index_scores import _index_scores_kernel  # noqa: E402
+from dsa_dcp.kernels.topk_remap import _topk_remap_kernel  # noqa: E402
 
 POINTERS = ("q_ptr", "w_ptr", "k_ptr", "ks_ptr", "pt_ptr", "req_ptr", "pos_ptr", "out_ptr")
 ALIGNED = POINTERS + ("D", "stride_qt", "stride_qh", "stride_k", "stride_ot")  # multiples of 16 at launch
