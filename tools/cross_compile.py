@@ -18,11 +18,11 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile the kernels: interpreted ones have nothing to compile
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import torch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dsa_dcp.kernels.index_scores import _index_scores_kernel  # noqa: E402
+from dsa_dcp.kernels.index_scores import _index_scores_kernel, _score_dot  # noqa: E402
 from dsa_dcp.kernels.topk_remap import _topk_remap_kernel  # noqa: E402
 
 POINTERS = ("q_ptr", "w_ptr", "k_ptr", "ks_ptr", "pt_ptr", "req_ptr", "pos_ptr", "out_ptr")
@@ -34,11 +34,13 @@ def specialization(keys: str, n: int, interleave: int, block_c: int, heads: int 
     with E4M3 queries and per-token scales, or bf16 keys and queries."""
     fp8 = keys == "fp8"
     elem = "fp8e4nv" if fp8 else "bf16"
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    dot_dtype, dot_ieee, prescale = _score_dot(dtype, dtype, interpreted=False)  # the launcher's choice
     types = {"q_ptr": elem, "k_ptr": elem, "pt_ptr": "i32", "req_ptr": "i64", "pos_ptr": "i64"}
-    consts = dict(PAGE=64, DCP_SIZE=n, INTERLEAVE=interleave, KEY_SCALE=2 if fp8 else 0, Q_PRESCALE=False,
+    consts = dict(PAGE=64, DCP_SIZE=n, INTERLEAVE=interleave, KEY_SCALE=2 if fp8 else 0, Q_PRESCALE=prescale != 1.0,
                   BLOCK_C=block_c, BLOCK_H=max(16, triton.next_power_of_2(heads)),
                   BLOCK_D=max(32 if fp8 else 16, triton.next_power_of_2(dim)),
-                  DOT_DTYPE=tl.float8e4nv if fp8 else tl.bfloat16, DOT_IEEE=False, UPCAST=False, FP8_DOT=fp8)
+                  DOT_DTYPE=dot_dtype, DOT_IEEE=dot_ieee, UPCAST=False, FP8_DOT=fp8)
     names = _index_scores_kernel.arg_names
     signature = {}
     for name in names:
