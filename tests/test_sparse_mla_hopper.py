@@ -266,9 +266,9 @@ def test_bad_inputs_are_refused():
     assert not hopper.supports(q, qp, odd) and hopper.supports(q, qp, kv)
     empty = hopper.sparse_mla_hopper(q, qp, kv, t[:, :0], 0.1)  # K = 0: no launch
     assert (empty[0] == 0).all() and torch.isneginf(empty[1]).all()
-    if hopper.unavailable_reason() is not None:
-        with pytest.raises(RuntimeError, match="cannot run here"):
-            hopper.sparse_mla_hopper(q, qp, kv, t, 0.1)
+    assert not hopper.available(q.device)  # CPU tensors, on any machine (a GPU machine's too)
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        hopper.sparse_mla_hopper(q, qp, kv, t, 0.1)
 
 
 def test_default_splits_fill_the_gpu():

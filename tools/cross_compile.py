@@ -34,10 +34,11 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 import dsa_dcp.kernels as K  # noqa: E402
 from dsa_dcp.kernels import fused_merge, index_scores, kv_store, lse_combine, sparse_mla, sparse_positions  # noqa: E402
-from dsa_dcp.kernels import topk_remap, topk_select  # noqa: E402
+from dsa_dcp.kernels import sparse_mla_hopper, topk_remap, topk_select  # noqa: E402
 from dsa_dcp.kernels.kv_store import quantize_rows  # noqa: E402
 
-MODULES = (fused_merge, index_scores, kv_store, lse_combine, sparse_mla, sparse_positions, topk_remap, topk_select)
+MODULES = (fused_merge, index_scores, kv_store, lse_combine, sparse_mla, sparse_mla_hopper, sparse_positions, topk_remap,
+           topk_select)  # fmt: skip
 H100_SMS = 132  # what sm_count says on the GPU: the split top-k's one-launch choice and the splits use it
 
 
@@ -60,8 +61,7 @@ class LaunchCompiler:
         name = kernel.fn.__name__
         key = (name, repr(signature), repr(constexprs), repr(attrs), repr(sorted(options.__dict__.items())))
         if key not in self.compiled:
-            source = (kernel.ASTSource if hasattr(kernel, "ASTSource") else ASTSource)(kernel, signature, constexprs,
-                                                                                        attrs)  # fmt: skip
+            source = (_gluon_source() if kernel.is_gluon() else ASTSource)(kernel, signature, constexprs, attrs)
             with tempfile.TemporaryFile(mode="w+") as log:
                 try:
                     with _stderr_to(log):  # the MLIR passes' diagnostics, written by C++ to fd 2
@@ -73,6 +73,12 @@ class LaunchCompiler:
                     self.compiled[key] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}" + (
                         f" ({first[:300]})" if first else "")
         self.launches.append((name, self.compiled[key]))
+
+
+def _gluon_source():
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return GluonASTSource
 
 
 @contextlib.contextmanager
@@ -96,7 +102,8 @@ def compiling_launches(compiler: LaunchCompiler, sms: int):
     saved = [(JITFunction, "__getitem__", JITFunction.__getitem__)]
     JITFunction.__getitem__ = lambda kernel, grid: lambda *a, **kw: compiler.launch(kernel, a, kw)
     for module in MODULES:
-        for name, value in (("check_launchable", lambda *a, **kw: None), ("sm_count", lambda device: sms)):
+        for name, value in (("check_launchable", lambda *a, **kw: None), ("sm_count", lambda device: sms),
+                            ("unavailable_reason", lambda device=None: None)):  # fmt: skip
             if hasattr(module, name):
                 saved.append((module, name, getattr(module, name)))
                 setattr(module, name, value)
@@ -247,6 +254,12 @@ def cases():
         yield f"lse_combine: N {n}, B*H {bh}", _lse_call(n, bh)
     for n, heads in ((2, 64), (4, 128), (8, 128)):
         yield f"fused_a2a_merge: N {n}, H {heads}", _merge_call(n, heads)
+    for kv in ("bf16", "fp8"):
+        for block_k in (64, 32):
+            for more in (dict(), dict(prefetch=0, early_s=False)):
+                text = ", ".join(f"{k} {v}" for k, v in more.items()) or "prefetch and early_s by default"
+                yield (f"sparse_mla_hopper: {kv} KV, H 128, B 2, K 2048, block_k {block_k}, 4 splits, {text}",
+                       _hopper_call(kv, 128, 2, block_k=block_k, num_splits=4, **more))  # fmt: skip
 
 
 def _cuda_tiles(B: int, H: int):
@@ -275,6 +288,10 @@ def _lse_call(n: int, bh: int, D: int = 512):
     return lambda: K.lse_combine_triton(torch.randn(n, bh, 1, D, dtype=torch.bfloat16), torch.randn(n, bh, 1))
 
 
+def _hopper_call(kv: str, H: int, B: int, **tiles):
+    return lambda: sparse_mla_hopper.sparse_mla_hopper(*_mla_inputs(H, B, 2048, kv), **tiles)
+
+
 def _merge_call(n: int, heads: int, rows: int = 8, d: int = 512):
     """The fused all-to-all merge of rank 0 over n ranks' buffers (peer addresses: plain CPU ones)."""
 
@@ -301,8 +318,12 @@ def main(argv=None) -> int:
     if args.list:
         print("\n".join(case for case, _ in chosen))
         return 0
-    compiler = LaunchCompiler(GPUTarget("cuda", args.arch, 32))
     print(f"triton {triton.__version__}, target sm_{args.arch}, {args.sms} SMs")
+    if not sparse_mla_hopper._version_ok():  # its Gluon API is one Triton release's
+        for case in [case for case, _ in chosen if case.startswith("sparse_mla_hopper")]:
+            print(f"skip  {case}: {sparse_mla_hopper.unavailable_reason()}")
+        chosen = [c for c in chosen if not c[0].startswith("sparse_mla_hopper")]
+    compiler = LaunchCompiler(GPUTarget("cuda", args.arch, 32))
     failed = 0
     torch.manual_seed(0)
     with compiling_launches(compiler, args.sms):
@@ -319,7 +340,8 @@ def main(argv=None) -> int:
                 print(f"FAIL  {case} ({names}): {'; '.join(errors) or 'nothing launched'}")
             else:
                 print(f"ok    {case} ({names})")
-    print(f"{failed} of {len(chosen)} failed" if failed else f"all {len(chosen)} compiled ({len(compiler.compiled)} kernels)")
+    print(f"{failed} of {len(chosen)} failed" if failed else f"all {len(chosen)} compiled ({len(compiler.compiled)} kernels)"
+          if chosen else "nothing compiled")
     return 1 if failed else 0
 
 

@@ -123,7 +123,8 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def unavailable_reason(device: torch.device | None = None) -> str | None:
-    """Why the kernel cannot run here (``None`` when it can)."""
+    """Why the kernel cannot run on ``device``'s tensors (default: the current CUDA device's;
+    ``None`` when it can)."""
     if os.environ.get(ENV_FORCE) == "0":
         return f"disabled by {ENV_FORCE}=0"
     if _IMPORT_ERROR is not None:
@@ -132,6 +133,8 @@ def unavailable_reason(device: torch.device | None = None) -> str | None:
         return f"written against triton {TRITON_VERSION}'s Gluon API, found triton {triton.__version__}"
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "Gluon kernels do not run under the Triton interpreter"
+    if device is not None and device.type != "cuda":
+        return "needs CUDA tensors"
     if not torch.cuda.is_available():
         return "no CUDA device"
     index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
@@ -600,9 +603,7 @@ def sparse_mla_hopper(
     if B == 0 or H == 0 or K == 0:
         out = torch.zeros((B, H, DC), dtype=q_nope.dtype, device=device)
         return out, torch.full((B, H), float("-inf"), dtype=torch.float32, device=device)
-    reason = unavailable_reason(device if device.type == "cuda" else None)
-    if reason is None and device.type != "cuda":
-        reason = "needs CUDA tensors"
+    reason = unavailable_reason(device)
     if reason is not None:
         raise RuntimeError(f"{_OP}: cannot run here: {reason}")
     if num_splits is not None and num_splits < 1:
