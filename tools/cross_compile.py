@@ -20,6 +20,8 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,12 +46,15 @@ H100_SMS = 132  # what sm_count says on the GPU: the split top-k's one-launch ch
 
 class LaunchCompiler:
     """Stands in for the GPU: compiles each launch for ``target`` (once a specialization) and
-    launches nothing. ``launches`` holds (kernel, error or None) of the current case."""
+    launches nothing. ``launches`` holds (kernel, error or None, resources) of the current case;
+    resources (registers a thread, spilled bytes, shared memory) when ``resources`` is set."""
 
-    def __init__(self, target: GPUTarget):
+    def __init__(self, target: GPUTarget, resources: bool = False):
         self.target = target
         self.backend = make_backend(target)
+        self.want_resources = resources
         self.compiled: dict = {}
+        self.resources: dict = {}
         self.launches: list = []
 
     def launch(self, kernel: JITFunction, args, kwargs) -> None:
@@ -65,14 +70,31 @@ class LaunchCompiler:
             with tempfile.TemporaryFile(mode="w+") as log:
                 try:
                     with _stderr_to(log):  # the MLIR passes' diagnostics, written by C++ to fd 2
-                        triton.compile(source, target=self.target, options=options.__dict__)
+                        compiled = triton.compile(source, target=self.target, options=options.__dict__)
                     self.compiled[key] = None
+                    if self.want_resources:
+                        self.resources[key] = _resources(compiled, options.num_warps)
                 except Exception as e:  # the compiler's own error, and the first diagnostic line
                     log.seek(0)
                     first = next((line.strip() for line in log if " error: " in line), "")
                     self.compiled[key] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}" + (
                         f" ({first[:300]})" if first else "")
-        self.launches.append((name, self.compiled[key]))
+        self.launches.append((name, self.compiled[key], self.resources.get(key)))
+
+
+def _resources(compiled, warps: int) -> str:
+    """What the cubin asks of an SM: registers a thread, spills (local memory a thread) and shared
+    memory (static, from ``cuobjdump``, plus the dynamic bytes Triton launches with)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
+    fields = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", usage))
+    if "REG" not in fields:
+        return f"{warps} warps, no resource usage from cuobjdump"
+    shared = int(fields.get("SHARED", 0)) + compiled.metadata.shared
+    return f"{warps} warps, {fields['REG']} registers, {fields.get('LOCAL', 0)} bytes spilled, {shared} bytes shared"
 
 
 def _gluon_source():
@@ -311,6 +333,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="+", default=[""], metavar="TEXT",
                         help="compile only the cases whose description contains one of these texts")
     parser.add_argument("--list", action="store_true", help="print the cases' descriptions and compile nothing")
+    parser.add_argument("--resources", action="store_true",
+                        help="also print each kernel's registers, spilled bytes and shared memory (cuobjdump)")
     args = parser.parse_args(argv)
     chosen = [c for c in cases() if any(text in c[0] for text in args.only)]
     if not chosen:
@@ -323,7 +347,7 @@ def main(argv=None) -> int:
         for case in [case for case, _ in chosen if case.startswith("sparse_mla_hopper")]:
             print(f"skip  {case}: {sparse_mla_hopper.unavailable_reason()}")
         chosen = [c for c in chosen if not c[0].startswith("sparse_mla_hopper")]
-    compiler = LaunchCompiler(GPUTarget("cuda", args.arch, 32))
+    compiler = LaunchCompiler(GPUTarget("cuda", args.arch, 32), resources=args.resources)
     failed = 0
     torch.manual_seed(0)
     with compiling_launches(compiler, args.sms):
@@ -333,13 +357,15 @@ def main(argv=None) -> int:
                 call()
             except Exception as e:  # a launcher's refusal: the case is wrong, not the kernel
                 compiler.launches.append(("launcher", f"{type(e).__name__}: {e}"))
-            errors = [f"{name}: {err}" for name, err in compiler.launches if err]
-            names = ", ".join(dict.fromkeys(name for name, _ in compiler.launches)) or "no launch"
+            errors = [f"{name}: {err}" for name, err, _ in compiler.launches if err]
+            names = ", ".join(dict.fromkeys(name for name, _, _ in compiler.launches)) or "no launch"
             if errors or not compiler.launches:
                 failed += 1
                 print(f"FAIL  {case} ({names}): {'; '.join(errors) or 'nothing launched'}")
             else:
                 print(f"ok    {case} ({names})")
+                for name, usage in dict.fromkeys((name, usage) for name, _, usage in compiler.launches if usage):
+                    print(f"        {name}: {usage}")
     print(f"{failed} of {len(chosen)} failed" if failed else f"all {len(chosen)} compiled ({len(compiler.compiled)} kernels)"
           if chosen else "nothing compiled")
     return 1 if failed else 0
