@@ -49,10 +49,11 @@ class LaunchCompiler:
     launches nothing. ``launches`` holds (kernel, error or None, resources) of the current case;
     resources (registers a thread, spilled bytes, shared memory) when ``resources`` is set."""
 
-    def __init__(self, target: GPUTarget, resources: bool = False):
+    def __init__(self, target: GPUTarget, resources: bool = False, bind_only: bool = False):
         self.target = target
         self.backend = make_backend(target)
         self.want_resources = resources
+        self.bind_only = bind_only  # specialize the launches, compile none
         self.compiled: dict = {}
         self.resources: dict = {}
         self.launches: list = []
@@ -65,6 +66,8 @@ class LaunchCompiler:
         options, signature, constexprs, attrs = kernel._pack_args(self.backend, kwargs, bound, specialization, options)
         name = kernel.fn.__name__
         key = (name, repr(signature), repr(constexprs), repr(attrs), repr(sorted(options.__dict__.items())))
+        if self.bind_only:
+            self.compiled[key] = None
         if key not in self.compiled:
             source = (_gluon_source() if kernel.is_gluon() else ASTSource)(kernel, signature, constexprs, attrs)
             with tempfile.TemporaryFile(mode="w+") as log:
@@ -333,6 +336,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="+", default=[""], metavar="TEXT",
                         help="compile only the cases whose description contains one of these texts")
     parser.add_argument("--list", action="store_true", help="print the cases' descriptions and compile nothing")
+    parser.add_argument("--bind-only", action="store_true",
+                        help="make every launch and specialize it as the GPU would, but compile nothing (seconds)")
     parser.add_argument("--resources", action="store_true",
                         help="also print each kernel's registers, spilled bytes and shared memory (cuobjdump)")
     args = parser.parse_args(argv)
@@ -343,11 +348,12 @@ def main(argv=None) -> int:
         print("\n".join(case for case, _ in chosen))
         return 0
     print(f"triton {triton.__version__}, target sm_{args.arch}, {args.sms} SMs")
-    if not sparse_mla_hopper._version_ok():  # its Gluon API is one Triton release's
+    # the Gluon kernel compiles with one Triton release's Gluon API, and binds with any that imports it
+    if not (sparse_mla_hopper._IMPORT_ERROR is None if args.bind_only else sparse_mla_hopper._version_ok()):
         for case in [case for case, _ in chosen if case.startswith("sparse_mla_hopper")]:
             print(f"skip  {case}: {sparse_mla_hopper.unavailable_reason()}")
         chosen = [c for c in chosen if not c[0].startswith("sparse_mla_hopper")]
-    compiler = LaunchCompiler(GPUTarget("cuda", args.arch, 32), resources=args.resources)
+    compiler = LaunchCompiler(GPUTarget("cuda", args.arch, 32), resources=args.resources, bind_only=args.bind_only)
     failed = 0
     torch.manual_seed(0)
     with compiling_launches(compiler, args.sms):
@@ -366,8 +372,9 @@ def main(argv=None) -> int:
                 print(f"ok    {case} ({names})")
                 for name, usage in dict.fromkeys((name, usage) for name, _, usage in compiler.launches if usage):
                     print(f"        {name}: {usage}")
-    print(f"{failed} of {len(chosen)} failed" if failed else f"all {len(chosen)} compiled ({len(compiler.compiled)} kernels)"
-          if chosen else "nothing compiled")
+    done = "bound" if args.bind_only else "compiled"
+    print(f"{failed} of {len(chosen)} failed" if failed else f"all {len(chosen)} {done} ({len(compiler.compiled)} kernels)"
+          if chosen else f"nothing {done}")
     return 1 if failed else 0
 
 
