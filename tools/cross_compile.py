@@ -41,7 +41,7 @@ from dsa_dcp.kernels.kv_store import quantize_rows  # noqa: E402
 
 MODULES = (fused_merge, index_scores, kv_store, lse_combine, sparse_mla, sparse_mla_hopper, sparse_positions, topk_remap,
            topk_select)  # fmt: skip
-H100_SMS = 132  # what sm_count says on the GPU: the split top-k's one-launch choice and the splits use it
+HOPPER_SMS = 132  # what sm_count says on an H100 or H200: the split top-k's one-launch choice and the splits use it
 
 
 class LaunchCompiler:
@@ -332,7 +332,7 @@ def _merge_call(n: int, heads: int, rows: int = 8, d: int = 512):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90: Hopper)")
-    parser.add_argument("--sms", type=int, default=H100_SMS, help="what sm_count says (default 132: an H100)")
+    parser.add_argument("--sms", type=int, default=HOPPER_SMS, help="what sm_count says (default 132: an H100 or H200)")
     parser.add_argument("--only", nargs="+", default=[""], metavar="TEXT",
                         help="compile only the cases whose description contains one of these texts")
     parser.add_argument("--list", action="store_true", help="print the cases' descriptions and compile nothing")
