@@ -268,7 +268,8 @@ def cases():
     for kv, form in (("bf16", ""), ("fp8", ""), ("fp8", "block scales"), ("bf16", "pe apart")):
         for H, B in ((64, 1), (128, 32)):
             yield (f"sparse_mla: {kv} KV{', ' + form if form else ''}, H {H}, B {B}, K 2048, the heuristic tiles",
-                   _mla_call(H, B, 2048, kv, dict(zip(("block_h", "block_k", "num_warps"), _cuda_tiles(B, H))),
+                   _mla_call(H, B, 2048, kv, dict(zip(("block_h", "block_k", "num_warps"),
+                                                     sparse_mla._default_tiles(B, H, torch.device("cuda")))),
                              form))  # fmt: skip
     for R, H, splits in ((1, 16, None), (64, 16, 1)):
         yield f"sparse_mha_positions: R {R}, H {H}, {'split K' if splits is None else 'one split'}", _mha_positions_call(
@@ -285,13 +286,6 @@ def cases():
                 text = ", ".join(f"{k} {v}" for k, v in more.items()) or "prefetch and early_s by default"
                 yield (f"sparse_mla_hopper: {kv} KV, H 128, B 2, K 2048, block_k {block_k}, 4 splits, {text}",
                        _hopper_call(kv, 128, 2, block_k=block_k, num_splits=4, **more))  # fmt: skip
-
-
-def _cuda_tiles(B: int, H: int):
-    class Cuda:
-        type = "cuda"
-
-    return sparse_mla._default_tiles(B, H, Cuda())
 
 
 def _kv_store_call(kv: str, block: bool, rows: int = 8, D: int = 576):
@@ -362,7 +356,7 @@ def main(argv=None) -> int:
             try:
                 call()
             except Exception as e:  # a launcher's refusal: the case is wrong, not the kernel
-                compiler.launches.append(("launcher", f"{type(e).__name__}: {e}"))
+                compiler.launches.append(("launcher", f"{type(e).__name__}: {e}", None))
             errors = [f"{name}: {err}" for name, err, _ in compiler.launches if err]
             names = ", ".join(dict.fromkeys(name for name, _, _ in compiler.launches)) or "no launch"
             if errors or not compiler.launches:
