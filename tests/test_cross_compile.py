@@ -38,8 +38,13 @@ def test_the_sharded_kernels_compile_for_hopper_without_a_gpu(tmp_path):
     failed Triton 3.6's layout pass (docs/kernels.md), and the top-k remap at the same layout (the
     same ownership test). A fresh Triton cache, so it compiles."""
     remap = "topk_remap: int32 top-k, N 2, I 16, 256 columns a program"
-    done = _tool("--only", "N 2, I 16, block_c 64", remap, tmp_path=tmp_path)
+    done = _tool("--resources", "--only", "N 2, I 16, block_c 64", remap, tmp_path=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    # which MMA each score product became: warp-group wgmma on bf16, a warp's mma.sync on the FP8
+    # keys widened to fp16 (E4M3 x E4M3 with 16-term accumulation gets no FP8 wgmma)
+    usage = [line.strip() for line in done.stdout.splitlines() if line.startswith("        _index_scores_kernel")]
+    assert len(usage) == 2 and "HGMMA.64x32x16.F32.BF16" in usage[0] and "HMMA.16816.F32" in usage[1], done.stdout
+    assert "GMMA" not in usage[1], done.stdout
     assert [line[6:] for line in done.stdout.splitlines() if line.startswith("ok")] == [
         "index_scores: bf16 keys, N 2, I 16, block_c 64 (_index_scores_kernel)",
         "index_scores: fp8 keys, N 2, I 16, block_c 64 (_index_scores_kernel)",

@@ -17,6 +17,7 @@ it prints one line a case (with the kernels it compiled) and exits 1 if any fail
 """
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -87,17 +88,28 @@ class LaunchCompiler:
 
 def _resources(compiled, warps: int) -> str:
     """What the cubin asks of an SM: registers a thread, spills (local memory a thread) and shared
-    memory (static, from ``cuobjdump``, plus the dynamic bytes Triton launches with)."""
+    memory (static, from ``cuobjdump``, plus the dynamic bytes Triton launches with), and the
+    tensor-core instructions it got (the SASS opcodes: e.g. ``HMMA.16816.F32`` is a warp's
+    mma.sync on fp16/bf16, ``HGMMA``/``QGMMA`` a warp group's wgmma on fp16/bf16 or FP8)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         usage = subprocess.run([str(tool), "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(tool), "-sass", cubin.name], capture_output=True, text=True).stdout
     fields = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", usage))
     if "REG" not in fields:
         return f"{warps} warps, no resource usage from cuobjdump"
     shared = int(fields.get("SHARED", 0)) + compiled.metadata.shared
-    return f"{warps} warps, {fields['REG']} registers, {fields.get('LOCAL', 0)} bytes spilled, {shared} bytes shared"
+    mma = _mma_opcodes(sass)
+    return (f"{warps} warps, {fields['REG']} registers, {fields.get('LOCAL', 0)} bytes spilled, {shared} bytes shared"
+            + (f", {mma}" if mma else ""))
+
+
+def _mma_opcodes(sass: str) -> str:
+    """The tensor-core opcodes in a SASS listing with how often each is written (not executed)."""
+    counts = collections.Counter(re.findall(r"\b([HQI]G?MMA(?:\.[0-9A-Zx]+)*)", sass))
+    return " ".join(f"{op} x{n}" for op, n in sorted(counts.items()))
 
 
 def _gluon_source():
