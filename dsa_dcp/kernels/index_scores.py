@@ -172,8 +172,8 @@ def _store_scores(s, w, in_h, H, valid, slot, ks_ptr, scale, q_prescale, out_ptr
     elif KEY_SCALE == 2:
         row_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0).to(tl.float32) / q_prescale
         s = s * row_scale[:, None]
-    # relu that keeps NaN (max(NaN, 0) may give 0); padding heads add exact zeros
-    contrib = tl.where(s < 0.0, 0.0, s) * w[None, :]
+    # relu that keeps NaN (one max.NaN instruction; a plain max(NaN, 0) may give 0); padding heads add exact zeros
+    contrib = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
     if BLOCK_H != H:
         contrib = tl.where(in_h[None, :], contrib, 0.0)
     score = tl.sum(contrib, axis=1)
