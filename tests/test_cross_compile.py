@@ -50,3 +50,18 @@ def test_the_sharded_kernels_compile_for_hopper_without_a_gpu(tmp_path):
         "index_scores: fp8 keys, N 2, I 16, block_c 64 (_index_scores_kernel)",
         f"{remap} (_topk_remap_kernel)"], done.stdout
     assert done.stdout.splitlines()[-1] == "all 3 compiled (3 kernels)", done.stdout
+
+
+def test_resident_programs_count_as_the_occupancy_calculator():
+    """What ``--resources`` says an SM holds, for Hopper's limits: registers (4 schedulers of
+    16,384, a warp's share in units of 256), shared memory (228 KiB), 64 warps, 32 programs."""
+    cases = {(119, 26624, 4): 4,  # 120 x 32 = 3,840 a warp: 4 warps a scheduler, 16 an SM
+             (96, 26624, 4): 5, (80, 26624, 4): 6, (64, 26624, 4): 8,
+             (62, 42240, 4): 5,  # registers allow 8; shared memory 5
+             (168, 231232, 4): 1, (255, 0, 8): 1, (32, 0, 4): 16,  # 64 warps
+             (16, 1024, 1): 32}  # at most 32 programs
+    code = ("import sys; sys.path.insert(0, 'tools'); from cross_compile import resident_programs; "
+            f"print([resident_programs(*c) for c in {list(cases)}])")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str(list(cases.values())), done.stdout

@@ -48,7 +48,8 @@ HOPPER_SMS = 132  # what sm_count says on an H100 or H200: the split top-k's one
 class LaunchCompiler:
     """Stands in for the GPU: compiles each launch for ``target`` (once a specialization) and
     launches nothing. ``launches`` holds (kernel, error or None, resources) of the current case;
-    resources (registers a thread, spilled bytes, shared memory) when ``resources`` is set."""
+    resources (registers a thread, spilled bytes, shared memory, programs an SM holds) when
+    ``resources`` is set."""
 
     def __init__(self, target: GPUTarget, resources: bool = False, bind_only: bool = False):
         self.target = target
@@ -102,8 +103,25 @@ def _resources(compiled, warps: int) -> str:
         return f"{warps} warps, no resource usage from cuobjdump"
     shared = int(fields.get("SHARED", 0)) + compiled.metadata.shared
     mma = _mma_opcodes(sass)
-    return (f"{warps} warps, {fields['REG']} registers, {fields.get('LOCAL', 0)} bytes spilled, {shared} bytes shared"
-            + (f", {mma}" if mma else ""))
+    regs = int(fields["REG"])
+    return (f"{warps} warps, {regs} registers, {fields.get('LOCAL', 0)} bytes spilled, {shared} bytes shared, "
+            f"{_programs(resident_programs(regs, shared, warps))} an SM" + (f", {mma}" if mma else ""))
+
+
+def _programs(n: int) -> str:
+    return f"{n} program{'' if n == 1 else 's'}"
+
+
+def resident_programs(registers: int, shared: int, warps: int) -> int:
+    """How many programs (CTAs) of a kernel one Hopper SM holds at once, as the CUDA occupancy
+    calculator counts for compute capability 9.0: each of the SM's 4 schedulers has 16,384
+    registers, given out a warp at a time in units of 256 (a thread's count rounded up to 8); 228 KiB
+    of shared memory (``shared`` as the cubin and the launch ask it, the 1 KiB a program the system
+    keeps included); at most 64 warps and 32 programs."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = 4 * (16384 // per_warp) // warps if registers else 32
+    by_shared = 233472 // shared if shared else 32
+    return min(by_registers, by_shared, 64 // warps, 32)
 
 
 def _mma_opcodes(sass: str) -> str:
