@@ -17,7 +17,8 @@ req_ids[T], positions[T], page_size P) -> scores[T, C] float32`` with ``C = MP *
     or ``[]``/``[1]`` (per tensor); the key is ``k_e4m3.float() * scale``. ``key_scale`` is
     required for FP8 keys and refused otherwise. Queries are fp32/bf16/fp16, or, with FP8 keys
     only, FP8 E4M3 (``q_e4m3.float()``: the caller folds each query's scale into ``w``, as
-    DeepSeek-V3.2's inference does); the products then run FP8 x FP8 on the tensor cores. A slot ``>= S`` is a contract violation (the
+    DeepSeek-V3.2's inference does); the products then go to ``tl.dot`` as E4M3 x E4M3 (on sm_90 Triton widens both to fp16 for
+    a warp's mma.sync: exact products, fp32 sums; docs/kernels.md). A slot ``>= S`` is a contract violation (the
     reference raises; the kernel treats the candidate as invalid rather than read out of bounds).
 
 ``index_scores(..., shard=(N, r, I))`` (the op ``index_scores_sharded``: the sharded index cache,
@@ -266,7 +267,8 @@ def _index_scores_kernel(
             s = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
         elif DOT_IEEE:
             s = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
-        elif FP8_DOT:  # E4M3 x E4M3, exact products moved into the fp32 sum every 16 terms
+        elif FP8_DOT:  # E4M3 x E4M3, exact products moved into the fp32 sum every 16 terms (under 32,
+            # Triton's sm_90 lowering takes mma.sync on fp16, not FP8 wgmma: docs/kernels.md)
             s = tl.dot(k, q_t, max_num_imprecise_acc=16)
         else:
             s = tl.dot(k.to(DOT_DTYPE), q_t)
