@@ -54,10 +54,12 @@ def test_the_sharded_kernels_compile_for_hopper_without_a_gpu(tmp_path):
 
 def test_resident_programs_count_as_the_occupancy_calculator():
     """What ``--resources`` says an SM holds, for Hopper's limits: registers (4 schedulers of
-    16,384, a warp's share in units of 256), shared memory (228 KiB), 64 warps, 32 programs."""
+    16,384, a warp's share in units of 256), shared memory (228 KiB, 1 KiB
+    of it kept for each program), 64 warps, 32 programs."""
     cases = {(119, 26624, 4): 4,  # 120 x 32 = 3,840 a warp: 4 warps a scheduler, 16 an SM
              (96, 26624, 4): 5, (80, 26624, 4): 6, (64, 26624, 4): 8,
              (62, 42240, 4): 5,  # registers allow 8; shared memory 5
+             (32, 116224, 4): 1,  # two would fit but for the 1 KiB the system keeps a program
              (168, 231232, 4): 1, (255, 0, 8): 1, (32, 0, 4): 16,  # 64 warps
              (16, 1024, 1): 32}  # at most 32 programs
     code = ("import sys; sys.path.insert(0, 'tools'); from cross_compile import resident_programs; "

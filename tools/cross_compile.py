@@ -105,23 +105,18 @@ def _resources(compiled, warps: int) -> str:
     mma = _mma_opcodes(sass)
     regs = int(fields["REG"])
     return (f"{warps} warps, {regs} registers, {fields.get('LOCAL', 0)} bytes spilled, {shared} bytes shared, "
-            f"{_programs(resident_programs(regs, shared, warps))} an SM" + (f", {mma}" if mma else ""))
-
-
-def _programs(n: int) -> str:
-    return f"{n} program{'' if n == 1 else 's'}"
+            f"{resident_programs(regs, shared, warps)} programs an SM" + (f", {mma}" if mma else ""))
 
 
 def resident_programs(registers: int, shared: int, warps: int) -> int:
     """How many programs (CTAs) of a kernel one Hopper SM holds at once, as the CUDA occupancy
     calculator counts for compute capability 9.0: each of the SM's 4 schedulers has 16,384
     registers, given out a warp at a time in units of 256 (a thread's count rounded up to 8); 228 KiB
-    of shared memory (``shared`` as the cubin and the launch ask it, the 1 KiB a program the system
-    keeps included); at most 64 warps and 32 programs."""
+    of shared memory, of which a program takes ``shared`` (what the cubin and the launch ask) and
+    the 1 KiB the system keeps for each; at most 64 warps and 32 programs."""
     per_warp = -(-registers * 32 // 256) * 256
     by_registers = 4 * (16384 // per_warp) // warps if registers else 32
-    by_shared = 233472 // shared if shared else 32
-    return min(by_registers, by_shared, 64 // warps, 32)
+    return min(by_registers, 233472 // (shared + 1024), 64 // warps, 32)
 
 
 def _mma_opcodes(sass: str) -> str:
