@@ -198,6 +198,9 @@ def test_index_scores_rejects_bad_inputs():
         for fn in (scores_mod.index_scores_reference, scores_mod.index_scores_triton):
             with pytest.raises(ValueError, match=match):
                 fn(*args)
+    for cap in (8, 256):
+        with pytest.raises(ValueError, match="max_registers must be 16-255"):
+            scores_mod.index_scores_triton(q, w, cache, None, pt, req, pos, 4, max_registers=cap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,6 +667,24 @@ def _real_step(B, C, Hi, Di, page, key_dtype, seed=0):
         scale = keys.abs().amax(dim=1) / 448.0
         return q, w, (keys / scale[:, None]).to(torch.float8_e4m3fn), scale, page_table, req_ids, positions
     return q, w, keys.bfloat16(), None, page_table, req_ids, positions
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_dtype", ["bf16", "fp8"])
+def test_index_scores_register_cap_gpu(key_dtype):
+    """A register cap changes where values live, not the arithmetic: every score (replicated and
+    sharded, both paths) at the default cap equals the kernel's at caps of 64, 96 and none (255)
+    bit for bit; 64 makes ptxas keep fewer values in registers than either kernel would."""
+    B, C, Hi, Di, page = 4, 8192, 32, 128, 64
+    q, w, cache, scale, page_table, req_ids, positions = _real_step(B, C, Hi, Di, page, key_dtype, seed=3)
+    if key_dtype == "fp8":  # E4M3 queries, as the models hand them over with FP8 keys
+        q8, q_scale = quantize_rows(q.view(B * Hi, Di), block=True)
+        q, w = q8.view(B, Hi, Di), w * q_scale.view(B, Hi)
+    args = (q, w, cache, scale, page_table, req_ids, positions, page)
+    for kw in (dict(), dict(path="pages"), dict(shard=(2, 1, 16))):
+        want = scores_mod.index_scores_triton(*args, **kw)
+        for cap in (64, 96, 255):  # 255: no cap
+            assert torch.equal(scores_mod.index_scores_triton(*args, **kw, max_registers=cap), want), (kw, cap)
 
 
 @pytest.mark.gpu

@@ -67,6 +67,12 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 _SCORES = "index_scores"
 
+# Registers a thread for the gather kernel's E4M3 products (ptxas's maxnreg). Uncapped, its
+# 128 x 4-warp tile takes 119 (four programs an SM); at 96 five fit and nothing spills. On an H100
+# (docs/benchmarks.md) 96 took 12% off at batch 32 / 32K and batch 32 / 128K, 80 less, 64 and 72
+# were slower than no cap; bf16 keys (62 registers, bound by shared memory) gained nothing.
+FP8_MAX_REGISTERS = 96
+
 
 def _check_scores(q, w, index_cache, key_scale, page_table, req_ids, positions, page_size) -> None:
     check_float(_SCORES, "q", q, 3)
@@ -412,6 +418,7 @@ def index_scores_triton(
     span: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    max_registers: int | None = None,
     shard: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Triton paged indexer scores (see module docstring); grid (T, ceil(C / span)).
@@ -423,6 +430,9 @@ def index_scores_triton(
     ``block_c`` candidates a tile (a power of two >= 16; for ``"pages"`` a multiple of the page
     size, the candidates of a step), ``span`` candidates a program (a multiple of ``block_c``).
     Any Hi and Di (padded to powers of two >= 16). No host sync.
+    ``max_registers``: a cap on the registers a thread (ptxas's ``maxnreg``; 16-255), which lets
+    more programs share an SM; the arithmetic, hence every score, is the same at any cap. Default:
+    FP8_MAX_REGISTERS for the gather kernel's E4M3 products, else none (255: no cap).
     ``shard = (N, r, I)``: the sharded form (see :func:`index_scores_reference`); only the owned
     candidates' keys are read.
     """
@@ -437,6 +447,8 @@ def index_scores_triton(
         raise ValueError(f"{_SCORES}: index_cache dtype {index_cache.dtype} is not supported")
     if path not in (None, "gather", "pages"):
         raise ValueError(f"{_SCORES}: path must be 'gather' or 'pages', got {path!r}")
+    if max_registers is not None and not 16 <= max_registers <= 255:
+        raise ValueError(f"{_SCORES}: max_registers must be 16-255 (registers a thread), got {max_registers}")
     T, H, D = q.shape
     C = page_table.shape[1] * page_size
     out = torch.empty((T, C), dtype=torch.float32, device=q.device)
@@ -474,6 +486,7 @@ def index_scores_triton(
             q.stride(0), q.stride(1), w.stride(0), page_table.stride(0), out.stride(0),
             PAGE=page_size, PAGES=bc // page_size, KEY_SCALE=key_scale_mode, BLOCK_H=block_h, BLOCK_D=D,
             FP8_DOT=fp8_dot, UPCAST=interpreted, num_warps=num_warps or 4, num_stages=num_stages or 3,
+            maxnreg=max_registers,
         )  # fmt: skip
         return out
     dot_dtype, dot_ieee, prescale = _score_dot(q.dtype, index_cache.dtype, interpreted)
@@ -486,6 +499,7 @@ def index_scores_triton(
         BLOCK_H=block_h, BLOCK_D=max(32 if fp8_dot else 16, next_pow2(D)),  # E4M3 products: k >= 32
         DOT_DTYPE=dot_dtype, DOT_IEEE=dot_ieee, UPCAST=interpreted, FP8_DOT=fp8_dot,
         num_warps=num_warps or 4, num_stages=num_stages or 2,
+        maxnreg=max_registers or (FP8_MAX_REGISTERS if fp8_dot else None),
     )  # fmt: skip
     return out
 
