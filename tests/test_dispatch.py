@@ -41,6 +41,21 @@ def test_lookup_only_on_the_measured_device_heads_and_dtype():
     assert dispatch.lookup(t, "GPU-X", 64, 1, 512, "fp8").tiles["num_splits"] == 7
 
 
+def test_lookup_on_another_device_of_the_architecture_the_table_names():
+    """A table that names its architecture applies to any device of it (an H100 SXM takes an
+    H200's table), not to another compute capability or SM count; one without applies to its
+    device only."""
+    hopper = {"capability": [9, 0], "sms": 132}
+    t = dict(_table(), arch=hopper)
+    assert dispatch.lookup(t, "GPU-Y", 64, 1, 512, "bf16", hopper).tiles["num_splits"] == 1512
+    for other in ({"capability": [9, 0], "sms": 114}, {"capability": [10, 0], "sms": 132}, None):
+        assert dispatch.lookup(t, "GPU-Y", 64, 1, 512, "bf16", other) is None
+        assert dispatch.lookup(t, "GPU-X", 64, 1, 512, "bf16", other).tiles["num_splits"] == 1512
+    assert dispatch.lookup(_table(), "GPU-Y", 64, 1, 512, "bf16", hopper) is None
+    assert dispatch.memo_lookup(t, "GPU-Y", 64, 8, 600, torch.bfloat16, hopper).tiles["num_splits"] == 10048
+    assert dispatch.memo_lookup(t, "GPU-Y", 64, 8, 600, torch.bfloat16, dict(hopper, sms=114)) is None
+
+
 def test_memo_lookup_agrees_with_lookup_and_follows_the_table():
     t = _table()
     for b in (1, 2, 8, 9, 128, 500):
@@ -65,6 +80,8 @@ def test_choose_is_none_off_cuda():
     (lambda t: t["entries"][0].pop("tiles"), r"entry 0 lacks \['tiles'\]"),
     (lambda t: t["entries"][1].update(backend="cutlass"), "entry 1 has backend 'cutlass'"),
     (lambda t: t["entries"][2]["tiles"].update(block_m=4), r"entry 2 has unknown tile keys \['block_m'\]"),
+    (lambda t: t.update(arch={"capability": "9.0", "sms": 132}), "'arch' must be"),
+    (lambda t: t.update(arch={"capability": [9, 0]}), "'arch' must be"),
 ])  # fmt: skip
 def test_malformed_table_is_refused(tmp_path, monkeypatch, mutate, match):
     t = _table()
@@ -101,6 +118,7 @@ def test_shipped_table_is_well_formed():
         pytest.skip("no table shipped")
     t = dispatch.validate_table(json.loads(dispatch.TABLE_PATH.read_text()), str(dispatch.TABLE_PATH))
     assert t["entries"], "an empty table"
+    assert t["arch"] == {"capability": [9, 0], "sms": 132}  # an H200's: H100 SXMs take it too
 
 
 def test_lookup_reads_the_captured_choice_and_the_hopper_tiles():

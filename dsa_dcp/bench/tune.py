@@ -111,7 +111,8 @@ def _candidates(b: int, h: int, k: int, kv: str, tile_set: list[dict], sms: int)
 
     out = []
     table = dispatch.load_table()
-    shipped = table and dispatch.lookup(table, torch.cuda.get_device_name(), h, b, k, kv)
+    shipped = table and dispatch.lookup(table, torch.cuda.get_device_name(), h, b, k, kv,
+                                        dispatch.device_arch(torch.cuda.current_device()))
     if shipped:  # its Triton tiles, whichever backend it chose
         out.append(("shipped", dict(shipped.tiles)))
     elif not tile_set:
@@ -212,9 +213,12 @@ def main(kvs: tuple[str, ...], write_table: str | None, shapes: dict | None = No
          update_table: str | None = None) -> int:
     """``shapes``: ``heads``/``batches``/``ks`` to tune (default: the table's grid). ``update_table``:
     a table file whose entries for the tuned shapes are replaced (the rest kept)."""
+    from dsa_dcp.kernels import dispatch
+
     entries = tune_sparse_mla(kvs=kvs, candidates=candidates, **(shapes or {}))
     command = "dsa-dcp " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    table = {"device": torch.cuda.get_device_name(), "versions": versions(), "command": command, "entries": entries}
+    table = {"device": torch.cuda.get_device_name(), "arch": dispatch.device_arch(torch.cuda.current_device()),
+             "versions": versions(), "command": command, "entries": entries}
     text = json.dumps(table, indent=1)
     print(text)
     if write_table:
@@ -227,5 +231,5 @@ def main(kvs: tuple[str, ...], write_table: str | None, shapes: dict | None = No
             raise ValueError(f"{update_table} was measured on {old.get('device')!r}, not {table['device']!r}")
         with open(update_table, "w") as f:
             run = f"{command} ({', '.join(f'{k} {v}' for k, v in versions().items())}, {time.strftime('%Y-%m-%d')})"
-            f.write(json.dumps(merge_entries(old, entries, run), indent=1) + "\n")
+            f.write(json.dumps(dict(merge_entries(old, entries, run), arch=table["arch"]), indent=1) + "\n")
     return 0

@@ -19,9 +19,12 @@ entry without ``graph_backend`` (older tables) is captured on its ``backend`` wh
 ``triton`` or ``hopper``, else on Triton.
 
 The table shipped with the package (``sparse_mla_table.json``) was measured on one H200;
-``DSA_DCP_SPARSE_MLA_TABLE`` points at another file. A table is only used on the device it was
-measured on (same ``torch.cuda.get_device_name()``); elsewhere, and for head counts or KV dtypes
-it does not list, :func:`choose` returns ``None`` and the callers fall back to their heuristics.
+``DSA_DCP_SPARSE_MLA_TABLE`` points at another file. A table is used on the device it was
+measured on (same ``torch.cuda.get_device_name()``) and on any device of the same architecture
+its optional ``"arch"`` names (``{"capability": [9, 0], "sms": 132}``: compute capability and SM
+count, so an H100 SXM takes the H200's table: the same SM, tensor cores and shared memory, only
+slower memory); elsewhere, and for head counts or KV dtypes it does not list, :func:`choose`
+returns ``None`` and the callers fall back to their heuristics.
 A shape between measured ones takes the entry of the nearest measured batch and top-k at or
 above it (the largest measured, past the end).
 """
@@ -74,10 +77,23 @@ def kv_name(dtype: torch.dtype) -> str:
             torch.float8_e4m3fn: "fp8"}.get(dtype, str(dtype))  # fmt: skip
 
 
+def device_arch(index: int) -> dict:
+    """The ``"arch"`` of a table measured on CUDA device ``index``: compute capability and SM count."""
+    props = torch.cuda.get_device_properties(index)
+    return {"capability": [props.major, props.minor], "sms": props.multi_processor_count}
+
+
 def validate_table(table: dict, where: str) -> dict:
     """Refuse a malformed table with a message naming the file and the entry."""
     if not isinstance(table, dict) or not isinstance(table.get("entries"), list) or "device" not in table:
         raise ValueError(f"{where}: a sparse_mla table needs 'device' and a list of 'entries'")
+    arch = table.get("arch")
+    if arch is not None and not (
+        isinstance(arch, dict) and set(arch) == {"capability", "sms"} and isinstance(arch["sms"], int)
+        and isinstance(arch["capability"], list) and len(arch["capability"]) == 2
+        and all(isinstance(c, int) for c in arch["capability"])
+    ):  # fmt: skip
+        raise ValueError(f"{where}: 'arch' must be {{\"capability\": [major, minor], \"sms\": count}}, got {arch!r}")
     for i, e in enumerate(table["entries"]):
         missing = [k for k in ("H", "B", "K", "kv", "backend", "tiles") if k not in e]
         if missing:
@@ -107,8 +123,8 @@ def load_table(path: str | None = None) -> dict | None:
 
 
 @functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
+def _device_id(index: int) -> tuple[str, dict]:
+    return torch.cuda.get_device_name(index), device_arch(index)
 
 
 def _nearest_at_or_above(values: list[int], x: int) -> int:
@@ -116,9 +132,16 @@ def _nearest_at_or_above(values: list[int], x: int) -> int:
     return min(above) if above else max(values)
 
 
-def lookup(table: dict, device_name: str, H: int, B: int, K: int, kv: str) -> Choice | None:
-    """The table's choice for a shape measured on ``device_name`` (``kv`` as :func:`kv_name` spells it)."""
-    if table["device"] != device_name:
+def measured_for(table: dict, device_name: str, arch: dict | None = None) -> bool:
+    """Whether ``table`` applies to the device named ``device_name`` of architecture ``arch``
+    (:func:`device_arch`): measured on it, or on another of the architecture the table names."""
+    return table["device"] == device_name or (arch is not None and table.get("arch") == arch)
+
+
+def lookup(table: dict, device_name: str, H: int, B: int, K: int, kv: str, arch: dict | None = None) -> Choice | None:
+    """The table's choice for a shape on the device named ``device_name`` of architecture ``arch``
+    (``kv`` as :func:`kv_name` spells it); ``None`` where the table does not apply (:func:`measured_for`)."""
+    if not measured_for(table, device_name, arch):
         return None
     rows = [e for e in table["entries"] if e["H"] == H and e["kv"] == kv]
     if not rows:
@@ -141,20 +164,22 @@ def choose(H: int, B: int, K: int, kv_dtype: torch.dtype, device: torch.device) 
     if table is None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return memo_lookup(table, _device_name(index), H, B, K, kv_dtype)
+    name, arch = _device_id(index)
+    return memo_lookup(table, name, H, B, K, kv_dtype, arch)
 
 
 MEMO_SIZE = 4096  # shapes remembered per loaded table before the memo starts over
 _memo: dict = {"table": None, "choices": {}}
 
 
-def memo_lookup(table: dict, device_name: str, H: int, B: int, K: int, kv_dtype: torch.dtype) -> Choice | None:
+def memo_lookup(table: dict, device_name: str, H: int, B: int, K: int, kv_dtype: torch.dtype,
+                arch: dict | None = None) -> Choice | None:
     """:func:`lookup`, once per shape and loaded table (a lookup scans the whole table: about 5 us
     of Python a call, on every eager ``sparse_mla`` call without this)."""
     if _memo["table"] is not table or len(_memo["choices"]) >= MEMO_SIZE:
         _memo["table"], _memo["choices"] = table, {}
-    key = (device_name, H, B, K, kv_dtype)
+    key = (device_name, arch and (tuple(arch["capability"]), arch["sms"]), H, B, K, kv_dtype)
     choices = _memo["choices"]
     if key not in choices:
-        choices[key] = lookup(table, device_name, H, B, K, kv_name(kv_dtype))
+        choices[key] = lookup(table, device_name, H, B, K, kv_name(kv_dtype), arch)
     return choices[key]
