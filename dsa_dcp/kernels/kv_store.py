@@ -26,7 +26,8 @@ with exactly one of
   scales are the same bits on every device.
 
 ``e4m3`` rounds to nearest, ties to even (torch's conversion). Saturation: values beyond the range
-(``+-inf`` included) become ``+-448``. NaN stays NaN (the E4M3 NaN, ``0x7F`` / ``0xFF``), and only
+(``+-inf`` included) become ``+-448``. NaN stays NaN (the E4M3 NaN with the value's sign bit,
+``0x7F`` / ``0xFF``), and only
 in its own column: a NaN or an infinity does not enter a group's ``amax``. The bytes depend on the
 row alone, so a DCP rank writes the bytes the single-rank model writes for the rows it owns.
 """
@@ -147,12 +148,23 @@ def kv_store_reference(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Ten
 
 
 @triton.jit
-def _e4m3_byte(y):
-    """fp32 ``y`` (``|y| <= 448`` or NaN) -> its E4M3 byte as int32, round to nearest even.
-    Integer and exact float arithmetic only, so it is the same on the GPU and under the interpreter
-    (whose own fp8 cast rounds ties away and turns NaN into a number)."""
+def _sign_bit(v):
+    """The sign bit (int32 0 or 1) of ``v`` as loaded (fp32, bf16 or fp16), a NaN's included: the
+    GPU's arithmetic returns its canonical NaN, which is positive, whatever NaN went in."""
+    if v.dtype == tl.float32:
+        bits = v.to(tl.int32, bitcast=True)
+    else:
+        bits = v.to(tl.int16, bitcast=True).to(tl.int32)  # sign-extended: bit 31 is the sign
+    return (bits >> 31) & 1
+
+
+@triton.jit
+def _e4m3_byte(y, sign):
+    """fp32 ``y`` (``|y| <= 448`` or NaN) with the sign bit ``sign`` of the row's value it was scaled
+    from -> the E4M3 byte as int32, round to nearest even (a NaN keeps the row's sign: ``0x7F`` or
+    ``0xFF``). Integer and exact float arithmetic only, so it is the same on the GPU and under the
+    interpreter (whose own fp8 cast rounds ties away and turns NaN into a number)."""
     bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 31) & 1
     ab = bits & 0x7FFFFFFF
     a = ab.to(tl.float32, bitcast=True)
     # normal range (|y| >= 2^-6): keep 3 mantissa bits, ties to even, carry into the exponent
@@ -218,7 +230,7 @@ def _kv_store_kernel(
                 y = y * ((127 - e) << 23).to(tl.float32, bitcast=True)
                 scale = ((127 + e) << 23).to(tl.float32, bitcast=True)
                 tl.store(scales_ptr + slot * stride_scales + (d0 // BLOCK_D) * stride_scales_g, scale, mask=ok)
-            tl.store(dst, _e4m3_byte(_saturate(y)).to(tl.uint8), mask=m)
+            tl.store(dst, _e4m3_byte(_saturate(y), _sign_bit(v)).to(tl.uint8), mask=m)
 
 
 def kv_store_triton(
