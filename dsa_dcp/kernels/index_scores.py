@@ -69,8 +69,9 @@ _SCORES = "index_scores"
 
 # Registers a thread for the gather kernel's E4M3 products (ptxas's maxnreg). Uncapped, its
 # 128 x 4-warp tile takes 119 (four programs an SM); at 96 five fit and nothing spills. On an H100
-# (docs/benchmarks.md) 96 took 12% off at batch 32 / 32K and batch 32 / 128K, 80 less, 64 and 72
-# were slower than no cap; bf16 keys (62 registers, bound by shared memory) gained nothing.
+# (docs/benchmarks.md) no cap took 1.10-1.12x the time of 96 from batch 8 / 32K to 128 / 32K, 80
+# gained less, 64 and 72 were slower than no cap; bf16 keys (62 registers, bound by shared memory)
+# gained nothing.
 FP8_MAX_REGISTERS = 96
 
 
