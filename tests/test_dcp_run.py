@@ -118,6 +118,24 @@ def test_step_kernel_time_is_split_by_what_dcp_adds():
                    "indexer_us": 6.0, "other_us": 32.0, "kernels_us": 74.0}
 
 
+def test_step_top_kernels_sum_each_name_over_its_launches():
+    import random
+
+    from dsa_dcp.bench.kinds import top_kernels
+
+    rng = random.Random(0)
+    names = [f"k{i}" for i in range(6)]
+    kernels = [(rng.choice(names), rng.uniform(0.5, 9.0)) for _ in range(60)]
+    runs, n = 3, 4
+    got = top_kernels(kernels, runs=runs, n=n)
+    totals = {name: sum(us for k, us in kernels if k == name) for name in names}
+    expected = sorted(totals, key=totals.get, reverse=True)[:n]
+    assert [name for name, _, _ in got] == expected
+    for name, us, count in got:
+        assert abs(us - totals[name] / runs) < 1e-9
+        assert count == sum(k == name for k, _ in kernels) / runs
+
+
 def test_ranks_sharing_a_gpu_are_refused_what_needs_nccl_before_any_rank_starts(capsys):
     """``--backend gloo`` on CUDA runs the a2a merge without graphs; the rest is refused by name."""
     import pytest

@@ -31,3 +31,15 @@ def kernel_us_by_kind(kernels: list[tuple[str, float]], runs: int) -> dict[str, 
         out[f"{kind}_us"] += us / runs
     out["kernels_us"] = sum(us for _, us in kernels) / runs
     return out
+
+
+def top_kernels(kernels: list[tuple[str, float]], runs: int, n: int) -> list[tuple[str, float, float]]:
+    """The ``n`` kernels of ``kernels`` (``(name, us)`` over ``runs`` steps) with the most device time:
+    ``(name, us a step, launches a step)``, the most first."""
+    total: dict[str, list[float]] = {}
+    for name, us in kernels:
+        t = total.setdefault(name, [0.0, 0])
+        t[0] += us
+        t[1] += 1
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(name, us / runs, count / runs) for name, (us, count) in ranked]

@@ -44,6 +44,7 @@ class StepBenchSpec:
     dtype: str = "bfloat16"
     kv_dtype: str = "bf16"  # or "fp8"
     mtp: int | None = None  # draft length of the speculative round (None: not measured)
+    top_kernels: int = 0  # kernels listed by device time (0: none)
     warmup_ms: int = 100
     rep_ms: int = 500
 
@@ -65,7 +66,7 @@ def run_step_bench(spec: StepBenchSpec):
     """Yields one row per batch size (so a run cut short keeps the rows it measured)."""
     import triton
 
-    from dsa_dcp.bench.kinds import kernel_us_by_kind
+    from dsa_dcp.bench.kinds import kernel_us_by_kind, top_kernels
     from dsa_dcp.lowering.cuda_graphs import count_kernels, device_kernels
     from dsa_dcp.models import DSAModel, get_config
     from dsa_dcp.models.runner import decode_step_inputs
@@ -117,6 +118,8 @@ def run_step_bench(spec: StepBenchSpec):
                     if not kernels:  # no kernel records inside graph replays: the same step, eagerly
                         kernels = device_kernels(lowered.fn, captured.inputs, runs=3)
                     row |= {f"dsa_dcp_{k}": v for k, v in kernel_us_by_kind(kernels, runs=3).items()}
+                    if spec.top_kernels:
+                        row["dsa_dcp_top_kernels"] = top_kernels(kernels, runs=3, n=spec.top_kernels)
             torch._dynamo.reset()
             stock_plain = torch.compile(model, fullgraph=True, dynamic=False)  # its kernels, without graph trees
             stock_plain(*inputs)
@@ -176,6 +179,10 @@ def format_step_table(rows: list[dict]) -> str:
             f"{r.get('dsa_dcp_attention_us', 0):,.0f} / {r.get('dsa_dcp_indexer_us', 0):,.0f} / "
             f"{r.get('dsa_dcp_other_us', 0):,.0f} |"
         )
+    for r in rows:
+        if r.get("dsa_dcp_top_kernels"):
+            lines += ["", f"dsa_dcp kernels with the most device time, batch {r['batch']} (us a step, launches a step):"]
+            lines += [f"  {us:8.1f} {count:5.1f}  {name[:110]}" for name, us, count in r["dsa_dcp_top_kernels"]]
     if rows and "mtp_k" in rows[0]:
         from dsa_dcp.bench.speculative import format_speculative_table
 
@@ -186,7 +193,8 @@ def format_step_table(rows: list[dict]) -> str:
 
 def main(args) -> int:
     spec = StepBenchSpec(layers=args.layers, batches=tuple(args.batches), context=args.context,
-                         kv_dtype=getattr(args, "kv_dtype", "bf16"), mtp=getattr(args, "mtp", None))
+                         kv_dtype=getattr(args, "kv_dtype", "bf16"), mtp=getattr(args, "mtp", None),
+                         top_kernels=getattr(args, "top_kernels", 0))
     from dsa_dcp.bench.measure import print_rows
 
     print_rows(run_step_bench(spec), args.json, format_step_table)
