@@ -392,7 +392,9 @@ def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32):
 def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl.constexpr, HAS_PT: tl.constexpr,
                  REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, TAIL: tl.constexpr):
     """Select and write the ``need`` best of a register tensor of keys (at most 2**15 of them) whose
-    candidate positions ``pos`` ascend with the lane (lanes that hold nothing hold key 0).
+    candidate positions ``pos`` ascend with the lane (lanes that hold nothing hold key 0). Without
+    a page table (``HAS_PT`` false) ``pos`` is what is written: the positions, or their slots
+    (-1 for none) where the caller resolved them.
 
     Every key above the threshold (:func:`_held_threshold`) is selected, and the first
     ``need - (keys above it)`` equal to it: all of them where exactly ``need`` lie at or above
@@ -431,16 +433,25 @@ def _topk_resident_kernel(
     """Grid (T,): one program selects a whole row held in registers (BLOCK >= C).
 
     The row is read once and its keys computed once, then selected in registers
-    (:func:`_select_held`). Out-of-range lanes (and every lane of a row without a request) load
-    ``-inf``: key 0, which is never selected, so only the load is masked."""
+    (:func:`_select_held`). Out-of-range lanes load ``-inf``: key 0, which is never selected, so
+    only the load is masked; every key of a row without a request is made 0 after the load.
+    The row's scores, its request id and its pages are all loaded before the select, none
+    waiting on another but the pages on the id: the select of one row is a chain of dependent
+    steps, and a load issued after it (the pages of the selected candidates) or before it on
+    another load (the scores behind the request id) would add its latency to the chain."""
     t = tl.program_id(0).to(tl.int64)
-    need = _row_need(req_ptr, t, C, K, R, HAS_PT)
     offs = tl.arange(0, BLOCK)
-    inr = tl.where(need > 0, offs < C, False)
-    key = _ordered_key(tl.load(scores_ptr + t * stride_s + offs, mask=inr, other=float("-inf")).to(tl.float32))
-    _select_held(key, offs, K, need, out_ptr + t * stride_o, count_ptr + t,
-                 _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT), RANK, PAGE, HAS_PT, REMAP, DCP_SIZE,
-                 INTERLEAVE, TAIL)  # fmt: skip
+    inr = offs < C
+    x = tl.load(scores_ptr + t * stride_s + offs, mask=inr, other=float("-inf"))
+    need = _row_need(req_ptr, t, C, K, R, HAS_PT)
+    # each candidate's slot, -1 for none (a page entry is shared by PAGE lanes: one load a page);
+    # int32 as written (half the registers an int64 slot held through the select would take)
+    page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
+    slot = _slots_of(offs, tl.where(need > 0, inr, False), page_row, PAGE, HAS_PT).to(tl.int32)
+    key = tl.where(need > 0, _ordered_key(x.to(tl.float32)), 0)
+    # the slots are resolved: the select takes them as its positions, without a page table
+    _select_held(key, slot, K, need, out_ptr + t * stride_o, count_ptr + t, pt_ptr, RANK, PAGE, False, REMAP,
+                 DCP_SIZE, INTERLEAVE, TAIL)  # fmt: skip
 
 
 @triton.jit
