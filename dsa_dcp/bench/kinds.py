@@ -18,9 +18,6 @@ KERNEL_KINDS = (
                  "computeBlockwiseWithinKCounts", "computeBlockwiseKthCounts")),
 )
 
-# Copy bandwidth measured on the H200 (device-to-device, bytes read + written): the HBM floor.
-H200_COPY_BYTES_PER_S = 4.27e12
-
 
 def kernel_us_by_kind(kernels: list[tuple[str, float]], runs: int) -> dict[str, float]:
     """Device time per step (us) of ``kernels`` (``(name, us)`` over ``runs`` steps), summed by

@@ -49,17 +49,16 @@ class StepBenchSpec:
     rep_ms: int = 500
 
 
-def hbm_floor_us(model: torch.nn.Module, cfg, batch: int, context: int) -> float:
-    """Bytes a decode step must read at least (weights, top-k KV rows, index keys), at copy bandwidth."""
-    from dsa_dcp.bench.kinds import H200_COPY_BYTES_PER_S
-
+def hbm_floor_us(model: torch.nn.Module, cfg, batch: int, context: int, copy_GBps: float) -> float:
+    """Bytes a decode step must read at least (weights, top-k KV rows, index keys), at the copy
+    bandwidth ``copy_GBps`` (bytes read + written, as ``device_limits`` measures it)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_elem = model.kv_caches()[0].element_size()
     key_bytes = cfg.index_head_dim * next(iter(model.index_caches().values())).element_size() + \
         (4 if cfg.index_key_dtype == "fp8" else 0)
     kv = batch * cfg.n_layers * min(cfg.index_topk, context + 1) * cfg.kv_dim * kv_elem
     keys = batch * len(cfg.indexer_layers) * (context + 1) * key_bytes
-    return (weights + kv + keys) / H200_COPY_BYTES_PER_S * 1e6
+    return (weights + kv + keys) / (copy_GBps * 1e9) * 1e6
 
 
 def run_step_bench(spec: StepBenchSpec):
@@ -67,6 +66,7 @@ def run_step_bench(spec: StepBenchSpec):
     import triton
 
     from dsa_dcp.bench.kinds import kernel_us_by_kind, top_kernels
+    from dsa_dcp.bench.measure import device_limits
     from dsa_dcp.lowering.cuda_graphs import count_kernels, device_kernels
     from dsa_dcp.models import DSAModel, get_config
     from dsa_dcp.models.runner import decode_step_inputs
@@ -79,6 +79,7 @@ def run_step_bench(spec: StepBenchSpec):
     if spec.mtp is not None:
         cfg = get_config("glm5", n_layers=spec.layers, intermediate_size=spec.intermediate, vocab_size=spec.vocab,
                          mtp_layers=1, **fp8)
+    copy_GBps = device_limits()["copy_GBps"]  # this GPU's, so the floor holds on any card
     for batch in spec.batches:
         inputs, num_slots = decode_step_inputs(cfg, batch, spec.context, device)
         torch.manual_seed(0)
@@ -90,7 +91,8 @@ def run_step_bench(spec: StepBenchSpec):
                 if layer.attn.indexer is not None and layer.attn.indexer.key_scale.numel():
                     layer.attn.indexer.key_scale.fill_(1.0)
         row = {"batch": batch, "layers": spec.layers, "context": spec.context, "kv_dtype": spec.kv_dtype,
-               "hbm_floor_us": hbm_floor_us(model, cfg, batch, spec.context)}
+               "device": torch.cuda.get_device_name(device), "copy_GBps": copy_GBps,
+               "hbm_floor_us": hbm_floor_us(model, cfg, batch, spec.context, copy_GBps)}
 
         def timed(fn):
             return 1e3 * triton.testing.do_bench(lambda: fn(*inputs), warmup=spec.warmup_ms, rep=spec.rep_ms,
@@ -168,17 +170,22 @@ def _speculative_row(spec: StepBenchSpec, cfg, batch: int, device, dtype, timer)
 def format_step_table(rows: list[dict]) -> str:
     lines = [
         "| batch | layers | context | KV | eager us | stock reduce-overhead us | dsa_dcp us | dsa_dcp / stock | "
-        "dsa_dcp fx us | HBM floor us | kernels (stock / dsa_dcp) | dsa_dcp device us: attention / indexer / other |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "dsa_dcp fx us | HBM floor us | dsa_dcp / floor | kernels (stock / dsa_dcp) | "
+        "dsa_dcp device us: attention / indexer / other |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['batch']} | {r['layers']} | {r['context']} | {r.get('kv_dtype', 'bf16')} | {r['eager_us']:,.0f} | {r['stock_us']:,.0f} | "
             f"{r['dsa_dcp_us']:,.0f} | {r['dsa_dcp_over_stock']:.2f}x | {r['dsa_dcp_fx_us']:,.0f} | "
-            f"{r['hbm_floor_us']:,.0f} | {r['stock_kernels']} / {r['dsa_dcp_kernels']} | "
+            f"{r['hbm_floor_us']:,.0f} | {r['dsa_dcp_us'] / r['hbm_floor_us']:.2f}x | "
+            f"{r['stock_kernels']} / {r['dsa_dcp_kernels']} | "
             f"{r.get('dsa_dcp_attention_us', 0):,.0f} / {r.get('dsa_dcp_indexer_us', 0):,.0f} / "
             f"{r.get('dsa_dcp_other_us', 0):,.0f} |"
         )
+    if rows and "device" in rows[0]:
+        lines += ["", f"{rows[0]['device']}; HBM floor at its copy bandwidth, {rows[0]['copy_GBps']:,.0f} GB/s "
+                      "(bytes read + written)"]
     for r in rows:
         if r.get("dsa_dcp_top_kernels"):
             lines += ["", f"dsa_dcp kernels with the most device time, batch {r['batch']} (us a step, launches a step):"]
