@@ -392,9 +392,10 @@ def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32):
 def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl.constexpr, HAS_PT: tl.constexpr,
                  REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, TAIL: tl.constexpr):
     """Select and write the ``need`` best of a register tensor of keys (at most 2**15 of them) whose
-    candidate positions ``pos`` ascend with the lane (lanes that hold nothing hold key 0). Without
-    a page table (``HAS_PT`` false) ``pos`` is what is written: the positions, or their slots
-    (-1 for none) where the caller resolved them.
+    lanes hold candidates in ascending position (lanes that hold nothing hold key 0); the tie rule
+    and the output order follow the lanes. ``pos`` is each lane's candidate position, its slot
+    read through ``page_row`` with ``HAS_PT``; without (``HAS_PT`` false) ``pos`` is written as
+    it is: the positions, or their slots (-1 for none) where the caller resolved them.
 
     Every key above the threshold (:func:`_held_threshold`) is selected, and the first
     ``need - (keys above it)`` equal to it: all of them where exactly ``need`` lie at or above
