@@ -293,6 +293,39 @@ def test_topk_select_tie_rule():
     assert torch.equal(select_mod.topk_select_reference(scores, 5)[1], want5)
 
 
+def _tied_at_depth(gen, C, k, low_bits):
+    """A row whose k-th best value is tied across the cut, with 6 distinct values just above it
+    that share all but its last 3 bits, the rest far below; the tied value's last ``low_bits`` bits
+    are set (0: its floor at every depth past its set bits is the value itself)."""
+    v = 0x3F800000 | ((1 << low_bits) - 1 if low_bits else 0)
+    bits = torch.full((C,), v, dtype=torch.int32)
+    bits[:6] = v + 8 * torch.arange(1, 7, dtype=torch.int32)  # above the tied value, same top 26 bits
+    row = bits.view(torch.float32).clone()
+    row[6 + 8:] = torch.randn(C - 14, generator=gen) - 10.0  # 8 tied copies, then far below
+    return row[torch.randperm(C, generator=gen)]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_topk_select_ties_straddling_the_cut(path):
+    """The count search's tie check (it stops at the floor of a bin only when fewer than the need
+    lie above the floor) against the reference: tied values whose bits end at several depths, so
+    the check fires at each of its steps or never, and rows of ReLU zeros and of a coarse grid."""
+    gen = _gen("ties-straddling", path)
+    C, k = 64, 10  # 6 above the tie, 4 of its 8 copies taken
+    rows = [_tied_at_depth(gen, C, k, low) for low in (0, 3, 5, 9, 13, 17, 21)]
+    rows.append(torch.randn(C, generator=gen).relu())  # about half zeros: tied at 0 when k exceeds the positives
+    rows.append(torch.randn(C, generator=gen).to(torch.float8_e4m3fn).float())
+    scores = torch.stack(rows)
+    for kk in (k, 40):
+        ref = select_mod.topk_select_reference(scores, kk)
+        _check_against_topk(scores, ref, kk)
+        got = select_mod.topk_select_triton(scores.to(DEVICE), kk, block=16, **PATHS[path]).cpu()
+        assert torch.equal(got, ref), (path, kk)
+    # the rows do straddle: more copies of the k-th value than the selection takes
+    kth = scores[0].sort(descending=True).values[k - 1]
+    assert int((scores[0] == kth).sum()) == 8 and int((scores[0] > kth).sum()) == 6
+
+
 @pytest.mark.parametrize("path", list(PATHS))
 def test_topk_select_slots(path):
     """Through the page table: global slots, -1 for a negative page, all -1 for a row without a
