@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                            "with a per-token scale)")
     step.add_argument("--mtp", type=_at_least(1), metavar="K",
                       help="also time a speculative round with the MTP draft of draft length K against the plain step")
-    step.add_argument("--top-kernels", type=int, default=0, metavar="N",
+    step.add_argument("--top-kernels", type=_at_least(1), default=0, metavar="N",
                       help="also list the N kernels of the dsa_dcp step with the most device time")
     step.add_argument("--json", help="also write the rows to this file")
     step.set_defaults(func=_bench_step)

@@ -400,16 +400,14 @@ def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32, TIE_FROM: tl.cons
                 packed = tl.sum(((key >= (up << SHIFT)).to(tl.uint32) << 16) | (key > thr).to(tl.uint32), axis=0)
                 above = (packed >> 16).to(tl.int32)
                 tied = (packed & 0xFFFF).to(tl.int32) < need  # thr is the need-th best key: keep it
-                prefix = tl.where(tied, prefix, tl.where(above >= need, up, prefix << 1))
-                have = tl.where((above >= need) & ~tied, above, have)
-                thr = tl.where(tied, thr, prefix << SHIFT)
-                done = tied | (have == need)
             else:
                 above = tl.sum((key >= (up << SHIFT)).to(tl.int32), axis=0)
-                prefix = tl.where(above >= need, up, prefix << 1)
-                have = tl.where(above >= need, above, have)
-                thr = prefix << SHIFT
-                done = have == need
+                tied = tl.cast(False, tl.int1)  # a constant: the selects below fold away
+            bit = (above >= need) & ~tied
+            prefix = tl.where(tied, prefix, tl.where(bit, up, prefix << 1))
+            have = tl.where(bit, above, have)
+            thr = tl.where(tied, thr, prefix << SHIFT)
+            done = tied | (have == need)
     return thr
 
 
