@@ -87,3 +87,28 @@ def test_merge_entries_replaces_the_tuned_shapes_and_keeps_the_rest():
     assert merged["command"].startswith("first; then second") and table["command"] == "first"
     with pytest.raises(ValueError, match="needs 'device'"):
         merge_entries({"entries": []}, [], "x")
+
+
+def test_step_floor_counts_the_weights_the_step_reads():
+    """``bench step``'s HBM floor: the embedding is a lookup (the batch's rows, not the table), the
+    LM head is read whole, the MTP draft's own layer is not read by the step."""
+    from dsa_dcp.bench.step import hbm_floor_us
+    from dsa_dcp.models import DSAModel, get_config
+
+    def floor_bytes(batch=1, context=40, **overrides):
+        cfg = get_config("glm5-tiny", n_layers=2, **overrides)
+        model = DSAModel(cfg, 4 * 64, seed=0)
+        return round(hbm_floor_us(model, cfg, batch, context, copy_GBps=1.0) * 1e3), cfg, model
+
+    small, cfg, model = floor_bytes(vocab_size=256)
+    large, _, _ = floor_bytes(vocab_size=512)
+    row = cfg.hidden_size * model.embed.element_size()
+    assert large - small == 256 * row, "a larger vocabulary adds its LM-head rows only"
+    with_draft, _, _ = floor_bytes(vocab_size=256, mtp_layers=1)
+    assert with_draft == small, "the MTP draft's weights are not read by the step"
+    two, _, _ = floor_bytes(batch=2, vocab_size=256)
+    kv = cfg.n_layers * min(cfg.index_topk, 41) * cfg.kv_dim * model.kv_caches()[0].element_size()
+    keys = len(cfg.indexer_layers) * 41 * cfg.index_head_dim * next(iter(model.index_caches().values())).element_size()
+    assert two - small == row + kv + keys, "a request adds its token's embedding row, its KV rows and its index keys"
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "embed")
+    assert small == weights + row + kv + keys

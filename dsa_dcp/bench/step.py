@@ -15,8 +15,9 @@ Columns, all in one process on the same model and inputs, CUDA graphs where name
   trees, what a user runs without this project;
 - ``dsa_dcp``: ``torch.compile(model, backend="dsa_dcp")`` with its defaults (Inductor, CUDA graphs);
 - ``dsa_dcp fx``: the same with ``lowering="fx"`` (the rewritten graph as Python, in CUDA graphs);
-- the HBM floor: the weights, the top-k KV rows of every layer and the index keys of every
-  indexer layer read once at the H200's measured copy bandwidth.
+- the HBM floor: what the step must read once, at this GPU's measured copy bandwidth: the weights
+  it uses (of the embedding only the batch's rows; not the MTP draft's layer), the top-k KV rows
+  of every layer and the index keys of every indexer layer.
 
 ``--mtp K`` adds a speculative decoding round with the MTP draft (draft length K) to each row: its
 step times and the time per accepted token at every accept length, against the plain step
@@ -50,15 +51,20 @@ class StepBenchSpec:
 
 
 def hbm_floor_us(model: torch.nn.Module, cfg, batch: int, context: int, copy_GBps: float) -> float:
-    """Bytes a decode step must read at least (weights, top-k KV rows, index keys), at the copy
-    bandwidth ``copy_GBps`` (bytes read + written, as ``device_limits`` measures it)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes a decode step must read at least, at the copy bandwidth ``copy_GBps`` (bytes read +
+    written, as ``device_limits`` measures it): every weight the step multiplies by, the
+    embedding's rows of the batch's tokens (a lookup, not the table), the top-k KV rows of every
+    layer and the index keys of every indexer layer. The MTP draft's own weights are not read by
+    the step (``--mtp`` rounds are timed per token, not against this floor)."""
+    unread = {id(model.embed)} | ({id(p) for p in model.mtp.parameters()} if model.mtp is not None else set())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in unread)
+    embedded = batch * model.embed.shape[1] * model.embed.element_size()
     kv_elem = model.kv_caches()[0].element_size()
     key_bytes = cfg.index_head_dim * next(iter(model.index_caches().values())).element_size() + \
         (4 if cfg.index_key_dtype == "fp8" else 0)
     kv = batch * cfg.n_layers * min(cfg.index_topk, context + 1) * cfg.kv_dim * kv_elem
     keys = batch * len(cfg.indexer_layers) * (context + 1) * key_bytes
-    return (weights + kv + keys) / (copy_GBps * 1e9) * 1e6
+    return (weights + embedded + kv + keys) / (copy_GBps * 1e9) * 1e6
 
 
 def run_step_bench(spec: StepBenchSpec):
