@@ -112,3 +112,35 @@ def test_step_floor_counts_the_weights_the_step_reads():
     assert two - small == row + kv + keys, "a request adds its token's embedding row, its KV rows and its index keys"
     weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "embed")
     assert small == weights + row + kv + keys
+
+
+def test_step_floor_split_covers_every_kernel_kind_and_sums_to_the_step():
+    """``bench step``'s split of the ``dsa_dcp`` step against its floor: every kind of kernel
+    (bench/kinds.py) lands in exactly one part, and the parts sum to the step's time."""
+    import random
+
+    from dsa_dcp.bench.kinds import KERNEL_KINDS, kernel_us_by_kind
+    from dsa_dcp.bench.step import FLOOR_PARTS, floor_split, format_step_table
+
+    kinds = [kind for part in FLOOR_PARTS for kind in part[1]]
+    assert sorted(kinds) == sorted([k for k, _ in KERNEL_KINDS] + ["other"]), "each kind in one part"
+    rng = random.Random(0)
+    names = ["nccl:all_to_all", "fused_a2a_merge_kernel", "_topk_remap_kernel", "_lse_combine_kernel",
+             "_sparse_mla_hopper_kernel", "_index_scores_kernel", "_topk_resident_kernel", "nvjet_tst_64x8",
+             "triton_red_fused_rms_norm_0"]
+    kernels = [(rng.choice(names), rng.uniform(1, 50)) for _ in range(60)]
+    row = {"batch": 32, "dsa_dcp_us": 1.25 * sum(us for _, us in kernels) / 3,
+           "hbm_floor_parts_us": {"weights": 300.0, "keys": 40.0, "kv": 10.0}}
+    row |= {f"dsa_dcp_{k}": v for k, v in kernel_us_by_kind(kernels, runs=3).items()}
+    split = dict((part, (us, floor)) for part, us, floor in floor_split(row))
+    assert math.isclose(sum(us for us, _ in split.values()), row["dsa_dcp_us"])
+    by_name = lambda *subs: sum(us for name, us in kernels if any(s in name for s in subs)) / 3  # noqa: E731
+    assert math.isclose(split["attention"][0], by_name("sparse_mla", "lse_combine")) and split["attention"][1] == 10.0
+    assert math.isclose(split["indexer"][0], by_name("index_scores", "_topk_resident")) and split["indexer"][1] == 40.0
+    assert math.isclose(split["dense and the rest"][0], by_name("nvjet", "triton_red"))
+    assert split["DCP's collectives and remap"][1] is None
+    assert math.isclose(split["between kernels"][0], row["dsa_dcp_us"] / 5)
+    text = format_step_table([row | {"layers": 4, "context": 4096, "eager_us": 1.0, "stock_us": 1.0, "dsa_dcp_over_stock": 1.0,
+                                     "dsa_dcp_fx_us": 1.0, "hbm_floor_us": 350.0, "stock_kernels": 1, "dsa_dcp_kernels": 1}])
+    line = next(t for t in text.splitlines() if t.startswith("| 32 | indexer |"))
+    assert line == f"| 32 | indexer | {split['indexer'][0]:,.0f} | 40 | {split['indexer'][0] / 40:.2f}x |"

@@ -50,21 +50,46 @@ class StepBenchSpec:
     rep_ms: int = 500
 
 
-def hbm_floor_us(model: torch.nn.Module, cfg, batch: int, context: int, copy_GBps: float) -> float:
-    """Bytes a decode step must read at least, at the copy bandwidth ``copy_GBps`` (bytes read +
-    written, as ``device_limits`` measures it): every weight the step multiplies by, the
-    embedding's rows of the batch's tokens (a lookup, not the table), the top-k KV rows of every
-    layer and the index keys of every indexer layer. The MTP draft's own weights are not read by
-    the step (``--mtp`` rounds are timed per token, not against this floor)."""
+def hbm_floor_bytes(model: torch.nn.Module, cfg, batch: int, context: int) -> dict[str, int]:
+    """Bytes a decode step must read at least, by what reads them: ``weights`` (every weight the
+    step multiplies by, and the embedding's rows of the batch's tokens: a lookup, not the table),
+    ``kv`` (the top-k KV rows of every layer) and ``keys`` (the index keys of every indexer layer).
+    The MTP draft's own weights are not read by the step (``--mtp`` rounds are timed per token,
+    not against this floor)."""
     unread = {id(model.embed)} | ({id(p) for p in model.mtp.parameters()} if model.mtp is not None else set())
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in unread)
     embedded = batch * model.embed.shape[1] * model.embed.element_size()
     kv_elem = model.kv_caches()[0].element_size()
     key_bytes = cfg.index_head_dim * next(iter(model.index_caches().values())).element_size() + \
         (4 if cfg.index_key_dtype == "fp8" else 0)
-    kv = batch * cfg.n_layers * min(cfg.index_topk, context + 1) * cfg.kv_dim * kv_elem
-    keys = batch * len(cfg.indexer_layers) * (context + 1) * key_bytes
-    return (weights + embedded + kv + keys) / (copy_GBps * 1e9) * 1e6
+    return {"weights": weights + embedded,
+            "kv": batch * cfg.n_layers * min(cfg.index_topk, context + 1) * cfg.kv_dim * kv_elem,
+            "keys": batch * len(cfg.indexer_layers) * (context + 1) * key_bytes}
+
+
+def hbm_floor_us(model: torch.nn.Module, cfg, batch: int, context: int, copy_GBps: float) -> float:
+    """:func:`hbm_floor_bytes` at the copy bandwidth ``copy_GBps`` (bytes read + written, as
+    ``device_limits`` measures it)."""
+    return sum(hbm_floor_bytes(model, cfg, batch, context).values()) / (copy_GBps * 1e9) * 1e6
+
+
+# Which floor the step's kernels answer to, by kind (bench/kinds.py): the dense products and the
+# rest Inductor emits (``other``) read the weights, the indexer the index keys, the attention and
+# the merge of its splits (``combine``) the KV rows. DCP's collectives and remap read none of
+# these bytes, nor does the time between kernels.
+FLOOR_PARTS = (("dense and the rest", ("other",), "weights"), ("indexer", ("indexer",), "keys"),
+               ("attention", ("attention", "combine"), "kv"),
+               ("DCP's collectives and remap", ("nccl", "fused_merge", "remap"), None))
+
+
+def floor_split(row: dict) -> list[tuple[str, float, float | None]]:
+    """``(part, us, its floor us or None)`` of a measured ``bench step`` row: the device time of
+    each part of the ``dsa_dcp`` step (``FLOOR_PARTS``) beside the bytes it must read, then the
+    step's time not spent in kernels. The parts sum to the step's time."""
+    floors = row["hbm_floor_parts_us"]
+    parts = [(name, sum(row.get(f"dsa_dcp_{kind}_us", 0.0) for kind in kinds), floors[part] if part else None)
+             for name, kinds, part in FLOOR_PARTS]
+    return parts + [("between kernels", row["dsa_dcp_us"] - row["dsa_dcp_kernels_us"], None)]
 
 
 def run_step_bench(spec: StepBenchSpec):
@@ -98,7 +123,9 @@ def run_step_bench(spec: StepBenchSpec):
                     layer.attn.indexer.key_scale.fill_(1.0)
         row = {"batch": batch, "layers": spec.layers, "context": spec.context, "kv_dtype": spec.kv_dtype,
                "device": torch.cuda.get_device_name(device), "copy_GBps": copy_GBps,
-               "hbm_floor_us": hbm_floor_us(model, cfg, batch, spec.context, copy_GBps)}
+               "hbm_floor_parts_us": {part: b / (copy_GBps * 1e3) for part, b in
+                                      hbm_floor_bytes(model, cfg, batch, spec.context).items()}}
+        row["hbm_floor_us"] = sum(row["hbm_floor_parts_us"].values())
 
         def timed(fn):
             return 1e3 * triton.testing.do_bench(lambda: fn(*inputs), warmup=spec.warmup_ms, rep=spec.rep_ms,
@@ -192,6 +219,14 @@ def format_step_table(rows: list[dict]) -> str:
     if rows and "device" in rows[0]:
         lines += ["", f"{rows[0]['device']}; HBM floor at its copy bandwidth, {rows[0]['copy_GBps']:,.0f} GB/s "
                       "(bytes read + written)"]
+    split = [r for r in rows if "hbm_floor_parts_us" in r and "dsa_dcp_kernels_us" in r]
+    if split:
+        lines += ["", "dsa_dcp step against its floor, by the bytes each part reads (dense and the rest: the "
+                      "weights; indexer: the index keys; attention: the KV rows):", "",
+                  "| batch | part | us | its floor us | over its floor |", "|---|---|---|---|---|"]
+        for r in split:
+            lines += [f"| {r['batch']} | {part} | {us:,.0f} | " + (f"{floor:,.0f} | {us / floor:.2f}x |" if floor else "- | - |")
+                      for part, us, floor in floor_split(r)]
     for r in rows:
         if r.get("dsa_dcp_top_kernels"):
             lines += ["", f"dsa_dcp kernels with the most device time, batch {r['batch']} (us a step, launches a step):"]
