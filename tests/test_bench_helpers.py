@@ -92,13 +92,13 @@ def test_merge_entries_replaces_the_tuned_shapes_and_keeps_the_rest():
 def test_step_floor_counts_the_weights_the_step_reads():
     """``bench step``'s HBM floor: the embedding is a lookup (the batch's rows, not the table), the
     LM head is read whole, the MTP draft's own layer is not read by the step."""
-    from dsa_dcp.bench.step import hbm_floor_us
+    from dsa_dcp.bench.step import hbm_floor_bytes
     from dsa_dcp.models import DSAModel, get_config
 
     def floor_bytes(batch=1, context=40, **overrides):
         cfg = get_config("glm5-tiny", n_layers=2, **overrides)
         model = DSAModel(cfg, 4 * 64, seed=0)
-        return round(hbm_floor_us(model, cfg, batch, context, copy_GBps=1.0) * 1e3), cfg, model
+        return sum(hbm_floor_bytes(model, cfg, batch, context).values()), cfg, model
 
     small, cfg, model = floor_bytes(vocab_size=256)
     large, _, _ = floor_bytes(vocab_size=512)

@@ -67,12 +67,6 @@ def hbm_floor_bytes(model: torch.nn.Module, cfg, batch: int, context: int) -> di
             "keys": batch * len(cfg.indexer_layers) * (context + 1) * key_bytes}
 
 
-def hbm_floor_us(model: torch.nn.Module, cfg, batch: int, context: int, copy_GBps: float) -> float:
-    """:func:`hbm_floor_bytes` at the copy bandwidth ``copy_GBps`` (bytes read + written, as
-    ``device_limits`` measures it)."""
-    return sum(hbm_floor_bytes(model, cfg, batch, context).values()) / (copy_GBps * 1e9) * 1e6
-
-
 # Which floor the step's kernels answer to, by kind (bench/kinds.py): the dense products and the
 # rest Inductor emits (``other``) read the weights, the indexer the index keys, the attention and
 # the merge of its splits (``combine``) the KV rows. DCP's collectives and remap read none of
@@ -123,6 +117,7 @@ def run_step_bench(spec: StepBenchSpec):
                     layer.attn.indexer.key_scale.fill_(1.0)
         row = {"batch": batch, "layers": spec.layers, "context": spec.context, "kv_dtype": spec.kv_dtype,
                "device": torch.cuda.get_device_name(device), "copy_GBps": copy_GBps,
+               # bytes at the copy bandwidth (bytes read + written, as device_limits measures it)
                "hbm_floor_parts_us": {part: b / (copy_GBps * 1e3) for part, b in
                                       hbm_floor_bytes(model, cfg, batch, spec.context).items()}}
         row["hbm_floor_us"] = sum(row["hbm_floor_parts_us"].values())
