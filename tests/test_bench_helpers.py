@@ -144,3 +144,40 @@ def test_step_floor_split_covers_every_kernel_kind_and_sums_to_the_step():
                                      "dsa_dcp_fx_us": 1.0, "hbm_floor_us": 350.0, "stock_kernels": 1, "dsa_dcp_kernels": 1}])
     line = next(t for t in text.splitlines() if t.startswith("| 32 | indexer |"))
     assert line == f"| 32 | indexer | {split['indexer'][0]:,.0f} | 40 | {split['indexer'][0] / 40:.2f}x |"
+
+
+def test_kernels_side_by_side_are_counted_once_in_the_step_split():
+    """``overlap_us``: the time kernels ran at once (none for a stream's kernels one after another);
+    the split takes it off once, so its 'between kernels' is the time no kernel ran, and the parts
+    still sum to the step."""
+    import random
+
+    from dsa_dcp.bench.kinds import kernel_us_by_kind, overlap_us
+    from dsa_dcp.bench.step import floor_split
+
+    rng = random.Random(1)
+    serial, t = [], 0.0
+    for i in range(40):
+        t += 1.0 if i == 6 else rng.uniform(0.0, 3.0)  # a gap, possibly none
+        us = rng.uniform(8.0, 20.0)
+        serial.append((rng.choice(["nvjet_a", "_index_scores_kernel"]), us, t))
+        t += us
+    assert math.isclose(overlap_us(serial, runs=2), 0.0, abs_tol=1e-9)
+    # a second stream: one kernel inside kernel 5, one from 1 us before its end across the 1 us gap
+    # into kernel 6's first 2 us, one past the end
+    _, a_us, a_start = serial[5]
+    _, _, b_start = serial[6]
+    extra = [("_topk_resident_kernel", a_us / 2, a_start + a_us / 4),
+             ("_topk_resident_kernel", 4.0, b_start - 2.0),
+             ("_topk_resident_kernel", 5.0, t + 10.0)]
+    inside, straddle = a_us / 2, 1.0 + 2.0
+    kernels = serial + extra
+    assert math.isclose(overlap_us(kernels, runs=2), (inside + straddle) / 2)
+    busy = (sum(us for _, us, _ in kernels) - (inside + straddle)) / 2
+    row = {"dsa_dcp_us": busy + 30.0, "hbm_floor_parts_us": {"weights": 1.0, "keys": 1.0, "kv": 1.0},
+           "dsa_dcp_overlap_us": overlap_us(kernels, runs=2)}
+    row |= {f"dsa_dcp_{k}": v for k, v in kernel_us_by_kind([(n, us) for n, us, _ in kernels], runs=2).items()}
+    split = dict((part, us) for part, us, _ in floor_split(row))
+    assert math.isclose(sum(split.values()), row["dsa_dcp_us"])
+    assert math.isclose(split["between kernels"], 30.0)
+    assert math.isclose(split["kernels side by side (counted twice above)"], -(inside + straddle) / 2)

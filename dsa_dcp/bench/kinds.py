@@ -30,6 +30,17 @@ def kernel_us_by_kind(kernels: list[tuple[str, float]], runs: int) -> dict[str, 
     return out
 
 
+def overlap_us(kernels: list[tuple[str, float, float]], runs: int) -> float:
+    """Device time per step (us) that ``kernels`` (``(name, us, start us)`` over ``runs`` steps) ran
+    side by side: the sum of their times less the time at least one of them ran. 0 for kernels that
+    ran one after another, as one stream's do."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((start, start + us) for _, us, start in kernels):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return (sum(us for _, us, _ in kernels) - busy) / runs
+
+
 def top_kernels(kernels: list[tuple[str, float]], runs: int, n: int) -> list[tuple[str, float, float]]:
     """The ``n`` kernels of ``kernels`` (``(name, us)`` over ``runs`` steps) with the most device time:
     ``(name, us a step, launches a step)``, the most first."""

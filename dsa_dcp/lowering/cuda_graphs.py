@@ -60,17 +60,17 @@ class _Captured:
         self.kernels: int | None = None  # counted when first asked
 
 
-def device_kernels(fn: Callable, args: Sequence, runs: int = 1) -> list[tuple[str, float]]:
+def device_kernels(fn: Callable, args: Sequence, runs: int = 1, starts: bool = False) -> list[tuple]:
     """``(name, us)`` of every CUDA kernel that ``runs`` eager runs of ``fn(*args)`` launch (what
-    its graph replays; copies and memsets left out)."""
+    its graph replays; copies and memsets left out); ``(name, us, start us)`` with ``starts``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
             fn(*args)
         torch.cuda.synchronize()
-    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    return [(e.name, e.time_range.elapsed_us()) + ((float(e.time_range.start),) if starts else ())
+            for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
 
 
 def count_kernels(fn: Callable, args: Sequence) -> int:
