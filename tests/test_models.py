@@ -85,14 +85,14 @@ def _mla_reference(attn, cfg, x_q, pos_q, keys):
     """Unabsorbed MLA for one row in fp64: per-head k_nope/v from the latent, dense softmax over
     exactly ``keys`` = [(x_token, position)]. Returns o[hidden]."""
     h, nope, dr, dc = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    q_a = _rms(x_q @ _p(attn.wq_a).T, _p(attn.q_a_norm.weight), cfg.norm_eps)
+    q_a = _rms(x_q @ _p(attn.input_weights()[0]).T, _p(attn.q_a_norm.weight), cfg.norm_eps)
     q = (q_a @ _p(attn.wq_b).T).view(h, nope + dr)
     q_nope, q_pe = q[:, :nope], _rope(q[:, nope:], pos_q, cfg.rope_theta)
     if not keys:
         return torch.zeros(cfg.hidden_size, dtype=torch.float64)
     xs = torch.stack([k for k, _ in keys])
     ps = torch.tensor([p for _, p in keys], dtype=torch.float64)
-    kv_a = xs @ _p(attn.wkv_a).T
+    kv_a = xs @ _p(attn.input_weights()[1]).T
     c = _rms(kv_a[:, :dc], _p(attn.kv_a_norm.weight), cfg.norm_eps)  # [J, Dc]
     k_pe = _rope(kv_a[:, dc:], ps[:, None], cfg.rope_theta)  # [J, Dr]
     k_nope = torch.einsum("hnc,jc->hjn", _p(attn.w_uk), c)
@@ -105,15 +105,15 @@ def _mla_reference(attn, cfg, x_q, pos_q, keys):
 def _index_scores(indexer, attn, cfg, x_q, pos_q, cand):
     """Lightning-indexer score of one row against ``cand`` = [(x_token, position)], fp64."""
     hi, di, r = cfg.index_n_heads, cfg.index_head_dim, cfg.index_rope_dim
-    q_a = _rms(x_q @ _p(attn.wq_a).T, _p(attn.q_a_norm.weight), cfg.norm_eps)
+    q_a = _rms(x_q @ _p(attn.input_weights()[0]).T, _p(attn.q_a_norm.weight), cfg.norm_eps)
     q = (q_a @ _p(indexer.wq).T).view(hi, di)
     q = torch.cat([_rope(q[:, :r], pos_q, cfg.rope_theta), q[:, r:]], dim=-1)
     xs = torch.stack([k for k, _ in cand])
     ps = torch.tensor([p for _, p in cand], dtype=torch.float64)
-    k = torch.nn.functional.layer_norm(xs @ _p(indexer.wk).T, (di,), _p(indexer.k_norm.weight),
+    k = torch.nn.functional.layer_norm(xs @ _p(attn.input_weights()[2]).T, (di,), _p(indexer.k_norm.weight),
                                        _p(indexer.k_norm.bias), cfg.norm_eps)
     k = torch.cat([_rope(k[:, :r], ps[:, None], cfg.rope_theta), k[:, r:]], dim=-1)
-    w = (x_q @ _p(indexer.w_weights).T) * hi**-0.5 * di**-0.5
+    w = (x_q @ _p(attn.input_weights()[3]).T) * hi**-0.5 * di**-0.5
     return (torch.relu(q @ k.T) * w[:, None]).sum(0)  # [J]
 
 

@@ -81,7 +81,8 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 # Parameters split over the TP ranks, by leaf name -> the dim split (head-major or MLP columns).
-# Every other parameter (wq_a, wkv_a, the norms, the indexer, embed, lm_head) is replicated.
+# Every other parameter (w_in: wq_a, wkv_a and the indexer's input products; the norms, the indexer,
+# embed, lm_head) is replicated.
 TP_SPLIT_DIMS = {"wq_b": 0, "w_uk": 0, "w_uv": 0, "w_o": 1, "w_gate": 0, "w_up": 0, "w_down": 1}
 
 
@@ -215,6 +216,10 @@ class LightningIndexer(nn.Module):
     sharded one is not: the ``indexer_kernels`` pass and ``index_cache="sharded"`` replace it). Candidates span the full
     per-request capacity ``max_pages * P`` (static shape). Returns int32 ``[T, K]`` global slots,
     ``K = min(index_topk, max_pages * P)``, best first, ``-1`` where the row has < K candidates.
+
+    Its two products on the layer's input (``x @ wk^T``, the key, and ``x @ weights_proj^T``, the
+    head weights) are rows of the attention's merged input weight (``MLAAttention.w_in``): the
+    forward takes their results, ``k_in[T, index_head_dim]`` and ``w_in[T, index_n_heads]``.
     """
 
     def __init__(self, cfg: DSAConfig) -> None:
@@ -222,9 +227,7 @@ class LightningIndexer(nn.Module):
         self.cfg = cfg
         di, hi = cfg.index_head_dim, cfg.index_n_heads
         self.wq = nn.Parameter(torch.empty(hi * di, cfg.q_lora_rank))
-        self.wk = nn.Parameter(torch.empty(di, cfg.hidden_size))
         self.k_norm = nn.LayerNorm(di, eps=cfg.norm_eps)
-        self.w_weights = nn.Parameter(torch.empty(hi, cfg.hidden_size))
         self.weight_scale = hi**-0.5 * di**-0.5
         self.register_buffer("index_cache", torch.zeros(0, di), persistent=False)  # sized by DSAModel
         # FP8 keys (cfg.index_key_dtype == "fp8"): one fp32 scale a token, kv_store writes it
@@ -234,11 +237,11 @@ class LightningIndexer(nn.Module):
         r = self.cfg.index_rope_dim
         return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
-    def forward(self, x: Tensor, q_a: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor,
+    def forward(self, k_in: Tensor, w_in: Tensor, q_a: Tensor, positions: Tensor, req_ids: Tensor, slots: Tensor,
                 page_table: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         cfg = self.cfg
-        t = x.shape[0]
-        k = self._rope_first(self.k_norm(F.linear(x, self.wk)), cos, sin)
+        t = k_in.shape[0]
+        k = self._rope_first(self.k_norm(k_in), cos, sin)
         fp8 = cfg.index_key_dtype == "fp8"
         if fp8:  # quantized by kv_store, its per-token scale written beside it
             KV_STORE_BLOCK_SCALED(self.index_cache, slots, k, self.key_scale)
@@ -246,7 +249,7 @@ class LightningIndexer(nn.Module):
             KV_STORE(self.index_cache, slots, k.to(self.index_cache.dtype))
 
         q = self._rope_first(F.linear(q_a, self.wq).view(t, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
-        w = F.linear(x, self.w_weights).float() * self.weight_scale  # [T, Hi]
+        w = w_in.float() * self.weight_scale  # [T, Hi]
         if fp8:  # queries in E4M3 too, as DeepSeek-V3.2's inference scores FP8 keys: one power-of-two
             # scale a head (the keys' rule), folded into its weight; the products run FP8 x FP8
             q, q_scale = quantize_rows(q.reshape(t * cfg.index_n_heads, cfg.index_head_dim), block=True)
@@ -292,19 +295,26 @@ class MLAAttention(nn.Module):
         self.layer = layer
         self.tp = tp
         self.n_local_heads = h = cfg.n_heads // tp.size
-        self.wq_a = nn.Parameter(torch.empty(cfg.q_lora_rank, cfg.hidden_size))
+        own_indexer = cfg.has_indexer(layer) if indexer is None else indexer  # the MTP layer always owns one
+        # The products on the layer's input share one weight, its rows wq_a, wkv_a, then the indexer's
+        # wk and weights_proj: one matrix product a layer instead of four (docs/models.md)
+        self.in_sizes = (cfg.q_lora_rank, cfg.kv_dim) + ((cfg.index_head_dim, cfg.index_n_heads) if own_indexer else ())
+        self.w_in = nn.Parameter(torch.empty(sum(self.in_sizes), cfg.hidden_size))
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
         self.wq_b = nn.Parameter(torch.empty(h * cfg.qk_head_dim, cfg.q_lora_rank))
-        self.wkv_a = nn.Parameter(torch.empty(cfg.kv_dim, cfg.hidden_size))
         self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
         self.w_uk = nn.Parameter(torch.empty(h, cfg.qk_nope_head_dim, cfg.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(h, cfg.kv_lora_rank, cfg.v_head_dim))
         self.w_o = nn.Parameter(torch.empty(cfg.hidden_size, h * cfg.v_head_dim))
-        own_indexer = cfg.has_indexer(layer) if indexer is None else indexer  # the MTP layer always owns one
         self.indexer = LightningIndexer(cfg) if own_indexer else None
         self.register_buffer("kv_cache", torch.zeros(0, cfg.kv_dim), persistent=False)  # sized by DSAModel
         # FP8 KV with kv_scales="block": fp32 [rows, ceil(kv_dim / 128)], written by kv_store beside each row
         self.register_buffer("kv_block_scales", torch.zeros(0), persistent=False)
+
+    def input_weights(self) -> tuple[Tensor, ...]:
+        """Views of ``w_in``'s parts: ``(wq_a, wkv_a)``, then the indexer's ``(wk, weights_proj)`` where
+        the layer owns one."""
+        return self.w_in.split(self.in_sizes)
 
     def kv_scale_args(self) -> tuple:
         """The scale arguments of this layer's ``kv_store`` and ``sparse_mla`` calls: none for a cache
@@ -323,12 +333,12 @@ class MLAAttention(nn.Module):
         cos, sin, idx_cos, idx_sin = rope
         dc = cfg.kv_lora_rank
 
-        q_a = self.q_a_norm(F.linear(x, self.wq_a))
+        q_a, kv_a, *index_in = F.linear(x, self.w_in).split(self.in_sizes, dim=-1)
+        q_a = self.q_a_norm(q_a)
         q = F.linear(q_a, self.wq_b).view(t, self.n_local_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin)
 
-        kv_a = F.linear(x, self.wkv_a)
         c_kv = self.kv_a_norm(kv_a[:, :dc])
         k_pe = apply_rope(kv_a[:, dc:], cos, sin)
         row = torch.cat([c_kv, k_pe], dim=-1)
@@ -341,7 +351,7 @@ class MLAAttention(nn.Module):
             KV_STORE_BLOCK_SCALED(self.kv_cache, slots, row, self.kv_block_scales)
 
         if self.indexer is not None:
-            topk = self.indexer(x, q_a, positions, req_ids, slots, page_table, idx_cos, idx_sin)
+            topk = self.indexer(*index_in, q_a, positions, req_ids, slots, page_table, idx_cos, idx_sin)
         assert topk is not None, "a layer without an indexer needs the previous indexer's top-k"
 
         q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
@@ -464,7 +474,7 @@ class DSAModel(nn.Module):
         # Drawn at the unsharded shapes, then sliced: a TP rank holds its shard of the seed's model.
         gen = torch.Generator(device="cpu").manual_seed(seed)
         tp = self.tp
-        for name, p in self.named_parameters():
+        for name, p in self._weights_in_draw_order():
             leaf = name.rsplit(".", 1)[-1]
             shape = list(p.shape)
             if leaf in TP_SPLIT_DIMS:
@@ -479,6 +489,25 @@ class DSAModel(nn.Module):
                 fan_in = {"w_uk": shape[-1], "w_uv": shape[1]}.get(leaf, shape[-1])
                 value = torch.randn(shape, generator=gen) * fan_in**-0.5
             p.copy_(_tp_slice(name, value, tp.rank, tp.size))
+
+    def _weights_in_draw_order(self):
+        """``(name, tensor)`` in the order ``_init_weights`` draws them: the parameters, except that each
+        attention's ``w_in`` is drawn as the weights it holds, each where it stood in the parameter
+        order before they were merged (``wq_a`` first, ``wkv_a`` after ``wq_b``, the indexer's ``wk``
+        and ``w_weights`` after its ``wq``), so a seed gives the weights it always gave."""
+        after: dict[str, list] = {}
+        for name, p in self.named_parameters():
+            prefix, _, leaf = name.rpartition(".")
+            if leaf != "w_in":
+                yield name, p
+                yield from after.pop(name, [])
+                continue
+            wq_a, wkv_a, *index = self.get_submodule(prefix).input_weights()
+            yield f"{prefix}.wq_a", wq_a
+            after[f"{prefix}.wq_b"] = [(f"{prefix}.wkv_a", wkv_a)]
+            if index:
+                after[f"{prefix}.indexer.wq"] = list(zip((f"{prefix}.indexer.wk", f"{prefix}.indexer.w_weights"), index))
+        assert not after, f"weights left undrawn: {list(after)}"
 
     def load_unsharded(self, full: "DSAModel | Mapping[str, Tensor]") -> "DSAModel":
         """Load this TP rank's shard (``shard_for_tp``) of an unsharded model's weights; returns self."""
