@@ -70,7 +70,8 @@ def device_kernels(fn: Callable, args: Sequence, runs: int = 1, starts: bool = F
             fn(*args)
         torch.cuda.synchronize()
     return [(e.name, e.time_range.elapsed_us()) + ((float(e.time_range.start),) if starts else ())
-            for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
 
 
 def count_kernels(fn: Callable, args: Sequence) -> int:
