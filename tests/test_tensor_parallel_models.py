@@ -222,3 +222,23 @@ def test_tp_refusals_without_a_group():
         load_unsharded(Transformer(tiny_args()), other)
     # no process group: tensor_parallel builds the one-device model
     assert Transformer(tiny_args(tensor_parallel=True)).world_size == 1
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tp_shards_of_the_merged_mlp_sum_to_the_unsharded_mlp(tp_size):
+    """``w_gate_up`` stacks the gate's rows and up's: a TP rank's shard keeps its columns of each, so
+    the ranks' partial MLP outputs (before the TP sum) add up to the unsharded MLP's."""
+    from dsa_dcp.models import DSAModel, get_config
+    from dsa_dcp.models.dsa import shard_for_tp
+
+    cfg = get_config("deepseek-v3.2-tiny", n_layers=1)
+    full = DSAModel(cfg, 16, seed=5, dtype=torch.float64)
+    x = torch.randn(3, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    partial_sum = torch.zeros_like(x)
+    for rank in range(tp_size):
+        shard = shard_for_tp(full, rank, tp_size)
+        gate_up, down = shard["layers.0.mlp.w_gate_up"], shard["layers.0.mlp.w_down"]
+        assert gate_up.shape == (2 * cfg.intermediate_size // tp_size, cfg.hidden_size)
+        gate, up = (x @ gate_up.T).chunk(2, dim=-1)
+        partial_sum += (torch.nn.functional.silu(gate) * up) @ down.T
+    torch.testing.assert_close(partial_sum, full.layers[0].mlp(x), rtol=1e-12, atol=1e-12)

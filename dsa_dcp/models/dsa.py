@@ -18,7 +18,8 @@ Padding rows have ``slots = -1`` and ``positions = -1``: they write nothing, the
 Tensor parallelism (``DSAModel(..., tp_size=T)`` or ``tp_group=``): each TP rank holds ``H / T``
 query heads, i.e. its rows of ``wq_b`` (column-parallel), its heads of ``w_uk`` / ``w_uv``, and its
 columns of ``w_o`` (row-parallel), whose output is summed over the TP group; the SwiGLU MLP is
-column-parallel (``w_gate``, ``w_up``) then row-parallel (``w_down``) with its own sum. The
+column-parallel (``w_gate_up``: each rank its columns of the gate and of the up projection) then
+row-parallel (``w_down``) with its own sum. The
 embedding and the LM head are replicated (every rank gets the whole vocabulary's logits), and so
 are the MLA latent KV cache (one KV head) and the indexer (every rank scores all index heads, as
 published inference code does). ``shard_for_tp`` slices an unsharded model's weights into a
@@ -83,7 +84,10 @@ SINGLE = TensorParallel()
 # Parameters split over the TP ranks, by leaf name -> the dim split (head-major or MLP columns).
 # Every other parameter (w_in: wq_a, wkv_a and the indexer's input products; the norms, the indexer,
 # embed, lm_head) is replicated.
-TP_SPLIT_DIMS = {"wq_b": 0, "w_uk": 0, "w_uv": 0, "w_o": 1, "w_gate": 0, "w_up": 0, "w_down": 1}
+TP_SPLIT_DIMS = {"wq_b": 0, "w_uk": 0, "w_uv": 0, "w_o": 1, "w_gate_up": 0, "w_down": 1}
+# Split parameters that stack equal parts along the split dim (w_gate_up: the gate's rows, then the
+# up projection's): a rank keeps its block of each part, the parts stacked again.
+TP_STACKED_PARTS = {"w_gate_up": 2}
 
 
 def check_tp_size(cfg: DSAConfig, tp_size: int) -> None:
@@ -131,20 +135,24 @@ def _tp_sum(x: Tensor, tp: TensorParallel) -> Tensor:
 
 
 def _tp_slice(name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
-    dim = TP_SPLIT_DIMS.get(name.rsplit(".", 1)[-1])
+    leaf = name.rsplit(".", 1)[-1]
+    dim = TP_SPLIT_DIMS.get(leaf)
     if dim is None or tp_size == 1:
         return full
-    if full.shape[dim] % tp_size:
-        raise ValueError(f"tp_size={tp_size} does not divide dim {dim} of {name} (shape {tuple(full.shape)})")
-    part = full.shape[dim] // tp_size
-    return full.narrow(dim, tp_rank * part, part)
+    parts = TP_STACKED_PARTS.get(leaf, 1)
+    if full.shape[dim] % (tp_size * parts):
+        raise ValueError(f"tp_size={tp_size} does not divide dim {dim} of {name} (shape {tuple(full.shape)}"
+                         f"{f', {parts} stacked parts' if parts > 1 else ''})")
+    block = full.shape[dim] // (tp_size * parts)
+    return torch.cat([p.narrow(dim, tp_rank * block, block) for p in full.chunk(parts, dim)], dim)
 
 
 def shard_for_tp(full: "DSAModel | Mapping[str, Tensor]", tp_rank: int, tp_size: int) -> dict[str, Tensor]:
     """TP rank ``tp_rank``'s state dict, sliced out of an unsharded ``DSAModel`` or its state dict.
 
     Split parameters (``TP_SPLIT_DIMS``) keep this rank's contiguous ``1 / tp_size`` block of their
-    split dim (heads ``[r * H/T, (r+1) * H/T)``, MLP columns likewise); the rest are kept whole.
+    split dim (heads ``[r * H/T, (r+1) * H/T)``, MLP columns likewise; of each stacked part for
+    ``w_gate_up``, ``TP_STACKED_PARTS``); the rest are kept whole.
     Load it with ``load_state_dict`` into a ``DSAModel`` of that TP rank (``load_unsharded`` does both).
     """
     if not 0 <= tp_rank < tp_size:
@@ -190,18 +198,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class SwiGLU(nn.Module):
     """Dense SwiGLU MLP standing in for DeepSeek/GLM's MoE (the DCP rewrite never touches it).
-    Under TP each rank holds ``intermediate_size / T`` columns and the output is summed."""
+    Under TP each rank holds ``intermediate_size / T`` columns and the output is summed.
+
+    The gate and up projections share one weight, ``w_gate_up`` (the gate's rows, then up's): one
+    matrix product on the input instead of two."""
 
     def __init__(self, cfg: DSAConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.tp = tp
-        inter = cfg.intermediate_size // tp.size  # column-parallel w_gate / w_up, row-parallel w_down
-        self.w_gate = nn.Parameter(torch.empty(inter, cfg.hidden_size))
-        self.w_up = nn.Parameter(torch.empty(inter, cfg.hidden_size))
+        self.inter = inter = cfg.intermediate_size // tp.size  # column-parallel gate / up, row-parallel w_down
+        self.w_gate_up = nn.Parameter(torch.empty(2 * inter, cfg.hidden_size))
         self.w_down = nn.Parameter(torch.empty(cfg.hidden_size, inter))
 
     def forward(self, x: Tensor) -> Tensor:
-        return _tp_sum(F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down), self.tp)
+        gate, up = F.linear(x, self.w_gate_up).split(self.inter, dim=-1)
+        return _tp_sum(F.linear(F.silu(gate) * up, self.w_down), self.tp)
 
 
 # ---------------------------------------------------------------------- indexer
