@@ -68,6 +68,12 @@ RADIX = 256  # 8-bit digits: four passes over a 32-bit key (the row and chunked 
 # ``path="resident"`` runs it up to RESIDENT_LIMIT, where its packed 16-bit counts end.
 RESIDENT_MAX = 8192
 RESIDENT_LIMIT = 32768
+# A row at most RESIDENT_OVER_MAX of a power of two past it is held as that power of two and a
+# second tile over the rest (:func:`resident_tiles`): the count search's steps cost about the lanes
+# held, and a row of 4,160 candidates (a decode row at 4,096 tokens in pages of 64) took 11.7-13.0 us
+# held as 8,192 lanes, as a row of 8,192 did (13.1), against 7.1-7.5 for a row of 4,096 (H100,
+# K = 2048, in a CUDA graph; docs/benchmarks.md).
+RESIDENT_OVER_MAX = 0.25
 # Keys equal to the need-th best on both sides of the cut (ReLU zeros, scores on a coarse grid)
 # keep the count search from its exact stop: it checks for them at step TIE_CHECK_FROM and every
 # TIE_CHECK_EVERY steps after (:func:`_held_threshold`), instead of running all 32 steps. Before
@@ -371,7 +377,7 @@ def _topk_row_kernel(
 
 @triton.jit
 def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32, TIE_FROM: tl.constexpr = TIE_CHECK_FROM,
-                    TIE_EVERY: tl.constexpr = TIE_CHECK_EVERY):
+                    TIE_EVERY: tl.constexpr = TIE_CHECK_EVERY, key2=None, TWO: tl.constexpr = False):
     """A threshold key for the ``need`` best of a register tensor of keys (at most 2**15 of them):
     either exactly ``need`` keys lie at or above it, or it is the ``need``-th best key with its
     bits below the top PREFIX_BITS cleared (with PREFIX_BITS = 32 the key itself; the tie check
@@ -387,7 +393,8 @@ def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32, TIE_FROM: tl.cons
     32 steps: at step TIE_FROM and every TIE_EVERY steps after, the same reduction also counts the
     keys above the prefix's floor (packed, 16 bits each), and the search stops with the floor
     when they are fewer than ``need`` (the floor, with ``need`` or more at or above it, is then
-    the ``need``-th best key itself)."""
+    the ``need``-th best key itself). With ``TWO`` the keys are those of ``key`` and ``key2``
+    together (a row held as two tiles, :func:`_topk_resident_kernel`)."""
     prefix = tl.cast(0, tl.uint32)
     thr = tl.cast(0, tl.uint32)
     have = tl.cast(-1, tl.int32)  # keys at or above thr, once a bit was 1
@@ -398,10 +405,15 @@ def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32, TIE_FROM: tl.cons
             up = (prefix << 1) | 1
             if d >= TIE_FROM and (d - TIE_FROM) % TIE_EVERY == 0:
                 packed = tl.sum(((key >= (up << SHIFT)).to(tl.uint32) << 16) | (key > thr).to(tl.uint32), axis=0)
+                if TWO:
+                    packed += tl.sum(((key2 >= (up << SHIFT)).to(tl.uint32) << 16) | (key2 > thr).to(tl.uint32),
+                                     axis=0)  # fmt: skip
                 above = (packed >> 16).to(tl.int32)
                 tied = (packed & 0xFFFF).to(tl.int32) < need  # thr is the need-th best key: keep it
             else:
                 above = tl.sum((key >= (up << SHIFT)).to(tl.int32), axis=0)
+                if TWO:
+                    above += tl.sum((key2 >= (up << SHIFT)).to(tl.int32), axis=0)
                 tied = tl.cast(False, tl.int1)  # a constant: the selects below fold away
             bit = (above >= need) & ~tied
             prefix = tl.where(tied, prefix, tl.where(bit, up, prefix << 1))
@@ -413,24 +425,45 @@ def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32, TIE_FROM: tl.cons
 
 @triton.jit
 def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl.constexpr, HAS_PT: tl.constexpr,
-                 REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, TAIL: tl.constexpr):
+                 REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, TAIL: tl.constexpr,
+                 key2=None, pos2=None, TWO: tl.constexpr = False):
     """Select and write the ``need`` best of a register tensor of keys (at most 2**15 of them) whose
     lanes hold candidates in ascending position (lanes that hold nothing hold key 0); the tie rule
     and the output order follow the lanes. ``pos`` is each lane's candidate position, its slot
     read through ``page_row`` with ``HAS_PT``; without (``HAS_PT`` false) ``pos`` is written as
-    it is: the positions, or their slots (-1 for none) where the caller resolved them.
+    it is: the positions, or their slots (-1 for none) where the caller resolved them. With
+    ``TWO`` the row is held as two tiles, ``key2`` / ``pos2`` after ``key`` / ``pos`` (together at
+    most 2**15 lanes).
 
     Every key above the threshold (:func:`_held_threshold`) is selected, and the first
     ``need - (keys above it)`` equal to it: all of them where exactly ``need`` lie at or above
     it, none where it is ``-inf``'s key 0 (the row has fewer valid keys than ``need``). One scan
     of packed counts (keys above the threshold in the high 16 bits, equal to it in the low 16)
     gives every selected key its output column: the keys above it before it, plus its rank
-    among the equal ones."""
-    thr = _held_threshold(key, need)
+    among the equal ones (:func:`_store_held`, a tile at a time)."""
+    thr = _held_threshold(key, need, key2=key2, TWO=TWO)
+    above = tl.sum((key > thr).to(tl.int32), axis=0)
+    if TWO:
+        above += tl.sum((key2 > thr).to(tl.int32), axis=0)
+    need = tl.where(thr == 0, 0, need - above)
+    before, total = _store_held(key, pos, thr, need, tl.cast(0, tl.uint32), tl.cast(0, tl.int32), out_row, page_row,
+                                RANK, PAGE, HAS_PT, REMAP, DCP_SIZE, INTERLEAVE)  # fmt: skip
+    if TWO:
+        _, total = _store_held(key2, pos2, thr, need, before, total, out_row, page_row, RANK, PAGE, HAS_PT, REMAP,
+                               DCP_SIZE, INTERLEAVE)  # fmt: skip
+    _write_tail(out_row, count_ptr, total, K, REMAP, TAIL)
+
+
+@triton.jit
+def _store_held(key, pos, thr, need, before, written, out_row, page_row, RANK, PAGE: tl.constexpr,
+                HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Write the selected lanes of one tile of a held row (:func:`_select_held`). ``before``: the
+    packed counts of the tiles before it (keys above ``thr`` in the high 16 bits, equal in the low
+    16); ``written``: the entries they wrote (the owned ones with ``REMAP``). Returns both with this
+    tile's added."""
     gt = (key > thr).to(tl.uint32)
     eq = (key == thr).to(tl.uint32)
-    need = tl.where(thr == 0, 0, need - tl.sum(gt.to(tl.int32), axis=0))
-    packed = tl.cumsum((gt << 16) | eq, axis=0)  # inclusive; at most 2**15 lanes: no carry, no wrap
+    packed = before + tl.cumsum((gt << 16) | eq, axis=0)  # inclusive; at most 2**15 lanes: no carry, no wrap
     eq_before = (packed & 0xFFFF).to(tl.int32) - eq.to(tl.int32)
     gt_before = (packed >> 16).to(tl.int32) - gt.to(tl.int32)
     sel = (gt != 0) | ((eq != 0) & (eq_before < need))
@@ -439,43 +472,60 @@ def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl
         keep, row = _owned(slot, DCP_SIZE, RANK, INTERLEAVE)
         keep = keep & sel
         keep_i = keep.to(tl.int32)
-        tl.store(out_row + tl.cumsum(keep_i, axis=0) - keep_i, row.to(tl.int32), mask=keep)
-        total = tl.sum(keep_i, axis=0)
+        tl.store(out_row + written + tl.cumsum(keep_i, axis=0) - keep_i, row.to(tl.int32), mask=keep)
+        written += tl.sum(keep_i, axis=0)
     else:
         tl.store(out_row + gt_before + tl.minimum(eq_before, need), tl.where(slot >= 0, slot, -1).to(tl.int32),
                  mask=sel)  # fmt: skip
-        total = tl.sum(sel.to(tl.int32), axis=0)
-    _write_tail(out_row, count_ptr, total, K, REMAP, TAIL)
+        written += tl.sum(sel.to(tl.int32), axis=0)
+    return before + tl.sum((gt << 16) | eq, axis=0), written
 
 
 @triton.jit
 def _topk_resident_kernel(
     scores_ptr, out_ptr, count_ptr, pt_ptr, req_ptr, C, K, R, RANK, stride_s, stride_pt, stride_o,
     PAGE: tl.constexpr, HAS_PT: tl.constexpr, REMAP: tl.constexpr, DCP_SIZE: tl.constexpr,
-    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, OVER: tl.constexpr, TAIL: tl.constexpr,
 ):
-    """Grid (T,): one program selects a whole row held in registers (BLOCK >= C).
+    """Grid (T,): one program selects a whole row held in registers (BLOCK + OVER >= C).
 
-    The row is read once and its keys computed once, then selected in registers
-    (:func:`_select_held`). Out-of-range lanes load ``-inf``: key 0, which is never selected, so
-    only the load is masked; every key of a row without a request is made 0 after the load.
-    The row's scores, its request id and its pages are all loaded before the select, none
-    waiting on another but the pages on the id: the select of one row is a chain of dependent
-    steps, and a load issued after it (the pages of the selected candidates) or before it on
-    another load (the scores behind the request id) would add its latency to the chain."""
+    The row is held as a tile of BLOCK candidates and, where OVER is not 0, a second tile of the
+    OVER after them (:func:`resident_tiles`: a row just over a power of two is not held, and its
+    count search not run, over twice its length). It is read once and its keys computed once,
+    then selected in registers (:func:`_select_held`). Out-of-range lanes load ``-inf``: key 0,
+    which is never selected, so only the load is masked; every key of a row without a request is
+    made 0 after the load. The row's scores, its request id and its pages are all loaded before
+    the select, none waiting on another but the pages on the id: the select of one row is a
+    chain of dependent steps, and a load issued after it (the pages of the selected candidates)
+    or before it on another load (the scores behind the request id) would add its latency to the
+    chain."""
     t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    inr = offs < C
-    x = tl.load(scores_ptr + t * stride_s + offs, mask=inr, other=float("-inf"))
+    row = scores_ptr + t * stride_s
+    x = tl.load(row + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < C, other=float("-inf"))
+    if OVER > 0:
+        x2 = tl.load(row + BLOCK + tl.arange(0, OVER), mask=BLOCK + tl.arange(0, OVER) < C, other=float("-inf"))
     need = _row_need(req_ptr, t, C, K, R, HAS_PT)
-    # each candidate's slot, -1 for none (a page entry is shared by PAGE lanes: one load a page);
-    # int32 as written (half the registers an int64 slot held through the select would take)
     page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
-    slot = _slots_of(offs, tl.where(need > 0, inr, False), page_row, PAGE, HAS_PT).to(tl.int32)
-    key = tl.where(need > 0, _ordered_key(x.to(tl.float32)), 0)
+    key, slot = _held_keys(x, 0, C, need, page_row, PAGE, HAS_PT, BLOCK)
     # the slots are resolved: the select takes them as its positions, without a page table
-    _select_held(key, slot, K, need, out_ptr + t * stride_o, count_ptr + t, pt_ptr, RANK, PAGE, False, REMAP,
-                 DCP_SIZE, INTERLEAVE, TAIL)  # fmt: skip
+    if OVER > 0:
+        key2, slot2 = _held_keys(x2, BLOCK, C, need, page_row, PAGE, HAS_PT, OVER)
+        _select_held(key, slot, K, need, out_ptr + t * stride_o, count_ptr + t, pt_ptr, RANK, PAGE, False, REMAP,
+                     DCP_SIZE, INTERLEAVE, TAIL, key2, slot2, True)  # fmt: skip
+    else:
+        _select_held(key, slot, K, need, out_ptr + t * stride_o, count_ptr + t, pt_ptr, RANK, PAGE, False, REMAP,
+                     DCP_SIZE, INTERLEAVE, TAIL)  # fmt: skip
+
+
+@triton.jit
+def _held_keys(x, start, C, need, page_row, PAGE: tl.constexpr, HAS_PT: tl.constexpr, BLOCK: tl.constexpr):
+    """The keys and slots (int32, -1 for none) of the row's loaded candidates ``[start, start +
+    BLOCK)``: key 0 past C and everywhere in a row without a request (``need`` 0). A page entry is
+    shared by PAGE lanes: one load a page; int32 as written (half the registers an int64 slot held
+    through the select would take)."""
+    offs = start + tl.arange(0, BLOCK)
+    slot = _slots_of(offs, tl.where(need > 0, offs < C, False), page_row, PAGE, HAS_PT).to(tl.int32)
+    return tl.where(need > 0, _ordered_key(x.to(tl.float32)), 0), slot
 
 
 @triton.jit
@@ -866,6 +916,19 @@ def _default_plan(T: int, C: int, device: torch.device) -> tuple[str, int]:
     return "sampled", max(ns, cdiv(C, SAMPLED_CHUNK_MAX))
 
 
+def resident_tiles(C: int) -> tuple[int, int]:
+    """(BLOCK, OVER) of the resident kernel for rows of C candidates: one tile of the next power of
+    two, or, for a row at most RESIDENT_OVER_MAX past a power of two, a tile of that power of two
+    and one of the next power of two over the rest (at least 16): a decode row at 4,096 cached
+    tokens holds 4,097 positions, 4,160 candidates in pages of 64, held as 4,096 + 64 lanes
+    instead of 8,192."""
+    block = max(next_pow2(C), 16)
+    low = block // 2
+    if low >= 16 and C - low <= RESIDENT_OVER_MAX * low:
+        return low, max(next_pow2(C - low), 16)
+    return block, 0
+
+
 def _resident_warps(block: int) -> int:
     """Warps of the resident kernel (4-bit digits): 4 up to 4096 candidates, 8 up to 8192, 16 up to
     16384, 32 above. Measured on an H200 (us, K = 2048; batch 1 and batch 128): 4 / 8 / 16 warps at
@@ -921,10 +984,10 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
     common = dict(PAGE=page_size, HAS_PT=has_pt, REMAP=remap is not None, DCP_SIZE=dcp_size,
                   INTERLEAVE=interleave)  # fmt: skip
     if path == "resident":
-        res = max(next_pow2(C), 16)
+        res, over = resident_tiles(C)
         _topk_resident_kernel[(T,)](
             scores, out, count, pt, req, C, k, rows, rank, scores.stride(0), stride_pt, out.stride(0),
-            **common, BLOCK=res, TAIL=max(res, min(next_pow2(k), 2048)),
+            **common, BLOCK=res, OVER=over, TAIL=max(res, min(next_pow2(k), 2048)),
             num_warps=num_warps or _resident_warps(res),
         )  # fmt: skip
         return out, count
