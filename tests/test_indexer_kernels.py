@@ -445,6 +445,44 @@ def test_topk_select_remap_positions():
             assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (path, r)
 
 
+def test_topk_select_resident_two_tiles():
+    """A row at most a quarter past a power of two is held as two tiles (the power of two and the
+    rest: a decode row at 4K tokens, 4,160 candidates in pages of 64, as 4,096 + 64 lanes). The
+    selection runs across both: the value at the cut tied on both sides of the tiles' seam (the
+    lowest positions win, in the first tile and then the second), the best values in the second
+    tile, the second tile's lanes past C; with a page table, and fused with the remap."""
+    assert select_mod.resident_tiles(4160) == (4096, 64) and select_mod.resident_tiles(4096) == (4096, 0)
+    assert select_mod.resident_tiles(6000) == (8192, 0)  # more than a quarter past 4,096: one tile
+    gen = _gen("two tiles")
+    C, k = 36, 10
+    assert select_mod.resident_tiles(C) == (32, 16)
+    scores = torch.randn(4, C, generator=gen)
+    scores[0, 28:] = 5.0  # the best values, in the second tile and the first tile's last lanes
+    scores[1] = torch.rand(C, generator=gen)  # below 1
+    scores[1, [0, 3, 7, 12, 16, 25]] = 3.0  # above the cut
+    scores[1, [20, 30, 33, 34, 35]] = 2.0  # the cut's value, tied across the seam: 4 of 5 taken
+    scores[2, 32:] = -INF  # the second tile all -inf
+    scores[3] = -INF
+    scores[3, [1, 33, 35]] = 0.0  # fewer valid candidates than k, two of them in the second tile
+    ref = select_mod.topk_select_reference(scores, k)
+    _check_against_topk(scores, ref, k)
+    assert ref[1].tolist() == [0, 3, 7, 12, 16, 20, 25, 30, 33, 34]  # the seam's tie cut after 34
+    assert torch.equal(select_mod.topk_select_triton(scores.to(DEVICE), k, path="resident").cpu(), ref)
+    page = 4
+    page_table = torch.randperm(40, generator=gen)[: 2 * (C // page)].view(2, C // page).to(torch.int32)
+    page_table[1, 8] = -1  # a page of the second tile missing
+    req_ids = torch.tensor([0, 1, 1, 0])
+    slots = select_mod.topk_select_reference(*_dev(scores, k), *_dev(page_table, req_ids), page).cpu()
+    got = select_mod.topk_select_triton(*_dev(scores, k), *_dev(page_table, req_ids), page, path="resident").cpu()
+    assert torch.equal(got, slots)
+    for N, I in ((2, 1), (3, 2)):
+        for r in range(N):
+            want = remap_mod.topk_remap_reference(slots, N, r, I)
+            local, count = select_mod.topk_select_remap_triton(*_dev(scores, k), N, r, I, *_dev(page_table, req_ids),
+                                                               page, path="resident")  # fmt: skip
+            assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (N, r)
+
+
 def test_topk_select_resident_random():
     """The resident path (the whole row in registers) against the references on random rows of few
     values: ties at the k-th value, NaN, +-inf, -0.0/+0.0, rows with fewer valid candidates than k,
