@@ -445,6 +445,23 @@ def test_topk_select_remap_positions():
             assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (path, r)
 
 
+def test_split_rows_take_about_the_programs_asked():
+    """A row split over ``ns`` programs reads whole tiles a program, as many as lie nearest C / ns:
+    a decode row at 32K tokens (32,832 candidates) split 32 ways in tiles of 1,024 takes 33
+    programs, not 17 of 2,048; rows of a multiple of ``ns`` tiles split evenly as before."""
+    def programs(C, ns, block=1024):
+        return -(-C // select_mod.split_chunk(C, ns, block))
+
+    assert select_mod.split_chunk(32768, 32, 1024) == 1024 and programs(32768, 32) == 32
+    assert select_mod.split_chunk(32832, 32, 1024) == 1024 and programs(32832, 32) == 33
+    assert programs(131136, 128) == 129 and programs(131072, 8) == 8
+    assert programs(30000, 16) == 15  # 1,875 a program asked: 2,048 is nearer than 1,024
+    for C in range(1, 400, 7):  # never fewer than about three quarters, nor more than about one and a half times
+        for ns in (1, 2, 3, 5, 8):
+            n = programs(C, ns, 16)
+            assert n >= 1 and (C <= 16 * ns or 0.66 * ns <= n <= 1.5 * ns + 1), (C, ns, n)
+
+
 def test_topk_select_resident_two_tiles():
     """A row at most a quarter past a power of two is held as two tiles (the power of two and the
     rest: a decode row at 4K tokens, 4,160 candidates in pages of 64, as 4,096 + 64 lanes). The

@@ -893,6 +893,15 @@ def split_programs(T: int, C: int, device: torch.device) -> int:
     return max(2, min(cdiv(2 * sm_count(device), T), C // 1024))
 
 
+def split_chunk(C: int, ns: int, block: int) -> int:
+    """Candidates a program of a row split over about ``ns`` programs reads: whole tiles of
+    ``block``, as many as lie nearest ``C / ns`` (at least one); the row then takes ``cdiv(C,
+    chunk)`` programs. Rounding up would halve the programs of a row just past a multiple of
+    ``ns`` tiles: a decode row at 32K tokens (32,832 candidates in pages of 64) split 32 ways in
+    tiles of 1,024 would take 17 programs of 2,048 instead of 33 of 1,024."""
+    return max(1, round(C / (ns * block))) * block
+
+
 def _default_plan(T: int, C: int, device: torch.device) -> tuple[str, int]:
     """(path, programs a row) the launcher takes for T rows of C candidates.
 
@@ -1008,7 +1017,7 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
                 num_warps=warps,
             )  # fmt: skip
             return out, count
-        chunk = cdiv(cdiv(C, ns), blk) * blk  # whole tiles a chunk
+        chunk = split_chunk(C, ns, blk)
         ns = cdiv(C, chunk)
         low = torch.empty((T,), dtype=torch.int32, device=device)
         arrived = torch.empty((T,), dtype=torch.int32, device=device)  # zeroed by the sample kernel
@@ -1040,7 +1049,7 @@ def _launch_select(scores, k, page_table, req_ids, page_size, remap, *, chunks=N
         )  # fmt: skip
         return out, count
     warps = num_warps or 4
-    chunk = cdiv(cdiv(C, ns), blk) * blk  # whole tiles a chunk
+    chunk = split_chunk(C, ns, blk)
     ns = cdiv(C, chunk)
     hist = torch.zeros((T, 4, RADIX), dtype=torch.int32, device=device)
     above = torch.empty((T, 8, ns, RADIX + 1), dtype=torch.int32, device=device)
