@@ -68,8 +68,8 @@ RADIX = 256  # 8-bit digits: four passes over a 32-bit key (the row and chunked 
 # ``path="resident"`` runs it up to RESIDENT_LIMIT, where its packed 16-bit counts end.
 RESIDENT_MAX = 8192
 RESIDENT_LIMIT = 32768
-# A row at most RESIDENT_OVER_MAX of a power of two past it is held as that power of two and a
-# second tile over the rest (:func:`resident_tiles`): the count search's steps cost about the lanes
+# A row past a power of two by at most RESIDENT_OVER_MAX times it is held as that power of two and
+# a second tile over the rest (:func:`resident_tiles`): the count search's steps cost about the lanes
 # held, and a row of 4,160 candidates (a decode row at 4,096 tokens in pages of 64) took 11.7-13.0 us
 # held as 8,192 lanes, as a row of 8,192 did (13.1), against 7.1-7.5 for a row of 4,096 (H100,
 # K = 2048, in a CUDA graph; docs/benchmarks.md).
