@@ -377,7 +377,7 @@ def _topk_row_kernel(
 
 @triton.jit
 def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32, TIE_FROM: tl.constexpr = TIE_CHECK_FROM,
-                    TIE_EVERY: tl.constexpr = TIE_CHECK_EVERY, key2=None, TWO: tl.constexpr = False):
+                    TIE_EVERY: tl.constexpr = TIE_CHECK_EVERY, key2=None):
     """A threshold key for the ``need`` best of a register tensor of keys (at most 2**15 of them):
     either exactly ``need`` keys lie at or above it, or it is the ``need``-th best key with its
     bits below the top PREFIX_BITS cleared (with PREFIX_BITS = 32 the key itself; the tie check
@@ -393,7 +393,7 @@ def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32, TIE_FROM: tl.cons
     32 steps: at step TIE_FROM and every TIE_EVERY steps after, the same reduction also counts the
     keys above the prefix's floor (packed, 16 bits each), and the search stops with the floor
     when they are fewer than ``need`` (the floor, with ``need`` or more at or above it, is then
-    the ``need``-th best key itself). With ``TWO`` the keys are those of ``key`` and ``key2``
+    the ``need``-th best key itself). With ``key2`` the keys are those of ``key`` and ``key2``
     together (a row held as two tiles, :func:`_topk_resident_kernel`)."""
     prefix = tl.cast(0, tl.uint32)
     thr = tl.cast(0, tl.uint32)
@@ -405,14 +405,14 @@ def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32, TIE_FROM: tl.cons
             up = (prefix << 1) | 1
             if d >= TIE_FROM and (d - TIE_FROM) % TIE_EVERY == 0:
                 packed = tl.sum(((key >= (up << SHIFT)).to(tl.uint32) << 16) | (key > thr).to(tl.uint32), axis=0)
-                if TWO:
+                if key2 is not None:
                     packed += tl.sum(((key2 >= (up << SHIFT)).to(tl.uint32) << 16) | (key2 > thr).to(tl.uint32),
                                      axis=0)  # fmt: skip
                 above = (packed >> 16).to(tl.int32)
                 tied = (packed & 0xFFFF).to(tl.int32) < need  # thr is the need-th best key: keep it
             else:
                 above = tl.sum((key >= (up << SHIFT)).to(tl.int32), axis=0)
-                if TWO:
+                if key2 is not None:
                     above += tl.sum((key2 >= (up << SHIFT)).to(tl.int32), axis=0)
                 tied = tl.cast(False, tl.int1)  # a constant: the selects below fold away
             bit = (above >= need) & ~tied
@@ -426,13 +426,13 @@ def _held_threshold(key, need, PREFIX_BITS: tl.constexpr = 32, TIE_FROM: tl.cons
 @triton.jit
 def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl.constexpr, HAS_PT: tl.constexpr,
                  REMAP: tl.constexpr, DCP_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, TAIL: tl.constexpr,
-                 key2=None, pos2=None, TWO: tl.constexpr = False):
+                 key2=None, pos2=None):
     """Select and write the ``need`` best of a register tensor of keys (at most 2**15 of them) whose
     lanes hold candidates in ascending position (lanes that hold nothing hold key 0); the tie rule
     and the output order follow the lanes. ``pos`` is each lane's candidate position, its slot
     read through ``page_row`` with ``HAS_PT``; without (``HAS_PT`` false) ``pos`` is written as
     it is: the positions, or their slots (-1 for none) where the caller resolved them. With
-    ``TWO`` the row is held as two tiles, ``key2`` / ``pos2`` after ``key`` / ``pos`` (together at
+    ``key2`` the row is held as two tiles, ``key2`` / ``pos2`` after ``key`` / ``pos`` (together at
     most 2**15 lanes).
 
     Every key above the threshold (:func:`_held_threshold`) is selected, and the first
@@ -441,14 +441,14 @@ def _select_held(key, pos, K, need, out_row, count_ptr, page_row, RANK, PAGE: tl
     of packed counts (keys above the threshold in the high 16 bits, equal to it in the low 16)
     gives every selected key its output column: the keys above it before it, plus its rank
     among the equal ones (:func:`_store_held`, a tile at a time)."""
-    thr = _held_threshold(key, need, key2=key2, TWO=TWO)
+    thr = _held_threshold(key, need, key2=key2)
     above = tl.sum((key > thr).to(tl.int32), axis=0)
-    if TWO:
+    if key2 is not None:
         above += tl.sum((key2 > thr).to(tl.int32), axis=0)
     need = tl.where(thr == 0, 0, need - above)
     before, total = _store_held(key, pos, thr, need, tl.cast(0, tl.uint32), tl.cast(0, tl.int32), out_row, page_row,
                                 RANK, PAGE, HAS_PT, REMAP, DCP_SIZE, INTERLEAVE)  # fmt: skip
-    if TWO:
+    if key2 is not None:
         _, total = _store_held(key2, pos2, thr, need, before, total, out_row, page_row, RANK, PAGE, HAS_PT, REMAP,
                                DCP_SIZE, INTERLEAVE)  # fmt: skip
     _write_tail(out_row, count_ptr, total, K, REMAP, TAIL)
@@ -507,14 +507,12 @@ def _topk_resident_kernel(
     need = _row_need(req_ptr, t, C, K, R, HAS_PT)
     page_row = _page_row(pt_ptr, req_ptr, t, R, stride_pt, HAS_PT)
     key, slot = _held_keys(x, 0, C, need, page_row, PAGE, HAS_PT, BLOCK)
-    # the slots are resolved: the select takes them as its positions, without a page table
+    key2, slot2 = None, None
     if OVER > 0:
         key2, slot2 = _held_keys(x2, BLOCK, C, need, page_row, PAGE, HAS_PT, OVER)
-        _select_held(key, slot, K, need, out_ptr + t * stride_o, count_ptr + t, pt_ptr, RANK, PAGE, False, REMAP,
-                     DCP_SIZE, INTERLEAVE, TAIL, key2, slot2, True)  # fmt: skip
-    else:
-        _select_held(key, slot, K, need, out_ptr + t * stride_o, count_ptr + t, pt_ptr, RANK, PAGE, False, REMAP,
-                     DCP_SIZE, INTERLEAVE, TAIL)  # fmt: skip
+    # the slots are resolved: the select takes them as its positions, without a page table
+    _select_held(key, slot, K, need, out_ptr + t * stride_o, count_ptr + t, pt_ptr, RANK, PAGE, False, REMAP,
+                 DCP_SIZE, INTERLEAVE, TAIL, key2, slot2)  # fmt: skip
 
 
 @triton.jit
