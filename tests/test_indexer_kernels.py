@@ -500,6 +500,44 @@ def test_topk_select_resident_two_tiles():
             assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (N, r)
 
 
+def test_topk_select_decode_row_at_4k_tokens():
+    """The resident kernel at the size it runs at on the GPU (its tiles, tail and warps are the
+    GPU's: 4,096 + 64 lanes, K = 2048): decode rows at 4,096 cached tokens (4,097 positions,
+    4,160 candidates in 65 pages of 64) through a shuffled page table; randn, through a ReLU (the
+    2048th best tied at 0 on both sides of the tiles' seam), rounded to E4M3, a NaN in the second
+    tile, and rows of 8,256 candidates (8,192 + 64) forced resident; the default plan and the
+    fused remap at N = 2 and 4 on one rank each."""
+    gen = _gen("decode row at 4K")
+    k, page = 2048, 64
+    for C in (4160, 8256):
+        assert select_mod.resident_tiles(C) == (C - 64, 64)
+        T, pages = 4, C // page
+        scores = torch.randn(T, C, generator=gen)
+        shift = 0.1 if C < 8192 else 0.75  # about 1,900 of the row's 4,097 (8,193) valid candidates above it
+        scores[1] = (scores[1] - shift).relu()  # so the cut is at 0, tied on both sides of the seam
+        scores[2] = scores[2].to(torch.float8_e4m3fn).float()  # few distinct values: ties at the cut
+        scores[3, C - 70] = NAN  # in the first tile's last page
+        scores[3, C - 3] = NAN  # in the second tile
+        scores[:, C - 63:] = -INF  # the positions past the row's 4,097th (8,193rd)
+        scores[1, C - 64] = 0.0  # the second tile's one valid candidate, tied at the cut
+        kth = scores[1].sort(descending=True).values[k - 1]
+        assert kth == 0 and (scores[1, : C - 64] == 0).any() and (scores[1, C - 64:] == 0).any()
+        page_table = torch.randperm(2 * pages, generator=gen)[: 2 * pages].view(2, pages).to(torch.int32)
+        req_ids = torch.tensor([0, 1, 1, 0])
+        ref = select_mod.topk_select_reference(scores, k)
+        _check_against_topk(scores, ref, k)
+        path = "resident" if C > select_mod.RESIDENT_MAX else None
+        assert torch.equal(select_mod.topk_select_triton(scores.to(DEVICE), k, path=path).cpu(), ref), C
+        slots = select_mod.topk_select_reference(scores, k, page_table, req_ids, page)
+        got = select_mod.topk_select_triton(*_dev(scores, k, page_table, req_ids), page, path=path).cpu()
+        assert torch.equal(got, slots), C
+        for N, r in ((2, 1), (4, 2)):
+            want = remap_mod.topk_remap_reference(slots, N, r, 1)
+            local, count = select_mod.topk_select_remap_triton(*_dev(scores, k), N, r, 1, *_dev(page_table, req_ids),
+                                                               page, path=path)  # fmt: skip
+            assert torch.equal(local.cpu(), want[0]) and torch.equal(count.cpu(), want[1]), (C, N, r)
+
+
 def test_topk_select_resident_random():
     """The resident path (the whole row in registers) against the references on random rows of few
     values: ties at the k-th value, NaN, +-inf, -0.0/+0.0, rows with fewer valid candidates than k,
