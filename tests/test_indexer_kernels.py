@@ -12,12 +12,17 @@ kernels, and the ``gpu``-marked cases check real sizes (B = 32, C = 32768, K = 2
 import dataclasses
 import importlib
 import itertools
-import zlib
 
 import pytest
 import torch
 
-from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter
+from triton_env import (  # noqa: F401 (interpreter_or_fresh_process: an autouse fixture)
+    DEVICE,
+    fresh_interpreter_test,
+    interpreter_or_fresh_process,
+    on_device as _dev,
+    seeded as _gen,
+)
 
 import dsa_dcp
 from dsa_dcp.kernels import index_scores as scores_mod
@@ -33,23 +38,7 @@ INF = float("inf")
 NAN = float("nan")
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_or_fresh_process(request):
-    if NEEDS_FRESH_PROCESS and request.node.originalname != "test_in_fresh_interpreter":
-        pytest.skip(SKIP_REASON)
-
-
-@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the interpreter works in this process")
-def test_in_fresh_interpreter():
-    rerun_in_fresh_interpreter(__file__, timeout=600)
-
-
-def _gen(*params) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(params).encode()))
-
-
-def _dev(*ts):
-    return [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in ts]
+test_in_fresh_interpreter = fresh_interpreter_test(__file__)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,33 +9,24 @@ import math
 import os
 import subprocess
 import sys
-import zlib
 
 import pytest
 import torch
 
 import checks
-from triton_env import (
+from triton_env import (  # noqa: F401 (interpreter_or_fresh_process: an autouse fixture)
     DEVICE,
-    NEEDS_FRESH_PROCESS,
-    SKIP_REASON,
+    fresh_interpreter_test,
+    interpreter_or_fresh_process,
     kv_store_mod,
     lse_combine_mod,
-    rerun_in_fresh_interpreter,
+    seeded as _gen,
     sparse_mla_mod,
     topk_remap_mod,
 )
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_or_fresh_process(request):
-    if NEEDS_FRESH_PROCESS and request.node.originalname != "test_in_fresh_interpreter":
-        pytest.skip(SKIP_REASON)
-
-
-@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the interpreter works in this process")
-def test_in_fresh_interpreter():
-    rerun_in_fresh_interpreter(__file__, timeout=600)
+test_in_fresh_interpreter = fresh_interpreter_test(__file__)
 
 
 # NaN and inf inputs make numpy (the interpreter) warn about the NaN it computes on purpose
@@ -44,10 +35,6 @@ QUIET_NAN = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtime
 # the interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest): one bf16 ulp
 BF16_ULP = 2.0**-7
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def _gen(*params) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(params).encode()))
 
 
 def assert_close(actual, expected, rtol, what):

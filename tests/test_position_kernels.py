@@ -4,30 +4,22 @@ rows, split K, views of a larger cache, NaN in a named row. On CPU they run unde
 interpreter; on a GPU machine the same cases run compiled (``-m gpu`` selects the CUDA twins)."""
 
 import importlib
-import zlib
 
 import pytest
 import torch
 
 from dsa_dcp.ops_positions import sparse_mha_positions_reference, sparse_mla_positions_reference
-from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter
+from triton_env import (  # noqa: F401 (interpreter_or_fresh_process: an autouse fixture)
+    DEVICE,
+    fresh_interpreter_test,
+    interpreter_or_fresh_process,
+    seeded as _gen,
+)
 
 positions_mod = importlib.import_module("dsa_dcp.kernels.sparse_positions")
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_or_fresh_process(request):
-    if NEEDS_FRESH_PROCESS and request.node.originalname != "test_in_fresh_interpreter":
-        pytest.skip(SKIP_REASON)
-
-
-@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the interpreter works in this process")
-def test_in_fresh_interpreter():
-    rerun_in_fresh_interpreter(__file__, timeout=600)
-
-
-def _gen(*params) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(params).encode()))
+test_in_fresh_interpreter = fresh_interpreter_test(__file__)
 
 
 def _topk(g, rows, k, batch, length, empty_row=True):

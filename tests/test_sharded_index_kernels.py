@@ -10,7 +10,12 @@ and ``-inf`` at every other. On CPU the kernels run under the Triton interpreter
 import pytest
 import torch
 
-from triton_env import DEVICE, NEEDS_FRESH_PROCESS, SKIP_REASON, rerun_in_fresh_interpreter
+from triton_env import (  # noqa: F401 (interpreter_or_fresh_process: an autouse fixture)
+    DEVICE,
+    fresh_interpreter_test,
+    interpreter_or_fresh_process,
+    on_device as _dev,
+)
 
 from dsa_dcp.kernels import index_scores as scores_mod
 from dsa_dcp.kernels import topk_agree as agree_mod
@@ -18,19 +23,7 @@ from dsa_dcp.kernels import topk_select as select_mod
 from dsa_dcp.slots import local_cache_rows, local_row, owner
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_or_fresh_process(request):
-    if NEEDS_FRESH_PROCESS and request.node.originalname != "test_in_fresh_interpreter":
-        pytest.skip(SKIP_REASON)
-
-
-@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the interpreter works in this process")
-def test_in_fresh_interpreter():
-    rerun_in_fresh_interpreter(__file__, timeout=600)
-
-
-def _dev(*ts):
-    return [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in ts]
+test_in_fresh_interpreter = fresh_interpreter_test(__file__)
 
 
 def _step(gen, T=5, R=3, max_pages=6, page=4, pages_total=40):

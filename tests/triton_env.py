@@ -10,7 +10,9 @@ switched on any more: those files then rerun themselves in a fresh process
 import os
 import subprocess
 import sys
+import zlib
 
+import pytest
 import torch
 
 from dsa_dcp.kernels import _common
@@ -33,3 +35,33 @@ def rerun_in_fresh_interpreter(test_file: str, *pytest_args: str, timeout: float
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file), *pytest_args]
     proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+@pytest.fixture(autouse=True)
+def interpreter_or_fresh_process(request):
+    """Imported by a kernel test file: its Triton cases skip where the interpreter cannot run in
+    this process (``NEEDS_FRESH_PROCESS``), and its ``test_in_fresh_interpreter`` runs them."""
+    if NEEDS_FRESH_PROCESS and request.node.originalname != "test_in_fresh_interpreter":
+        pytest.skip(SKIP_REASON)
+
+
+def fresh_interpreter_test(test_file: str):
+    """``test_in_fresh_interpreter = fresh_interpreter_test(__file__)`` in a kernel test file: the
+    test that reruns the file under the interpreter where this process cannot."""
+
+    @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the interpreter works in this process")
+    def test_in_fresh_interpreter():
+        rerun_in_fresh_interpreter(test_file, timeout=600)
+
+    return test_in_fresh_interpreter
+
+
+def seeded(*params) -> torch.Generator:
+    """A CPU generator seeded from ``params`` (a test's parametrization): fresh inputs per case,
+    the same on every run."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(params).encode()))
+
+
+def on_device(*ts):
+    """``ts`` with each tensor moved to ``DEVICE`` (other values as they are)."""
+    return [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in ts]
