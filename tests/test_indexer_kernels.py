@@ -505,10 +505,10 @@ def test_topk_select_decode_row_at_4k_tokens():
         shift = 0.1 if C < 8192 else 0.75  # about 1,900 of the row's 4,097 (8,193) valid candidates above it
         scores[1] = (scores[1] - shift).relu()  # so the cut is at 0, tied on both sides of the seam
         scores[2] = scores[2].to(torch.float8_e4m3fn).float()  # few distinct values: ties at the cut
-        scores[3, C - 70] = NAN  # in the first tile's last page
-        scores[3, C - 3] = NAN  # in the second tile
         scores[:, C - 63:] = -INF  # the positions past the row's 4,097th (8,193rd)
         scores[1, C - 64] = 0.0  # the second tile's one valid candidate, tied at the cut
+        scores[3, C - 70] = NAN  # in the first tile's last page
+        scores[3, C - 64] = NAN  # the second tile's one valid candidate
         kth = scores[1].sort(descending=True).values[k - 1]
         assert kth == 0 and (scores[1, : C - 64] == 0).any() and (scores[1, C - 64:] == 0).any()
         page_table = torch.randperm(2 * pages, generator=gen)[: 2 * pages].view(2, pages).to(torch.int32)
