@@ -277,8 +277,8 @@ def cases():
         bc = 128 if keys == "fp8" else 64
         yield f"index_scores: {keys} keys, pages path, block_c {bc}", _scores_call(keys, 1, 1, bc, path="pages")
     paths = (("resident", 4096, None), ("resident", 4160, None), ("resident", 16384, None), ("sampled", 32768, None),
-             ("sampled", 131072, 8),
-             ("sampled", 131072, 64), ("row", 8192, None), ("chunked", 32768, 4), ("chunked", 32832, 32))  # fmt: skip
+             ("sampled", 131072, 8), ("sampled", 131072, 64), ("row", 8192, None), ("chunked", 32768, 4),
+             ("chunked", 32832, 32))  # fmt: skip
     for path, C, chunks in paths:
         for remap, paged in ((None, False), (None, True), ((2, 16), True), ((4, 1), True)):
             T = 64 if chunks == 64 else 2  # 64 rows of 64 chunks: over the one-launch limit of the split sampled form
